@@ -1,0 +1,102 @@
+"""Lossless EAGLE speculative decoding for Hugging Face causal LMs.
+
+    from engine import Engine
+    engine = Engine.load()                       # embedded SmolLM2-135M-Instruct + the shipped EAGLE-3 head
+    for step in engine.chat([{"role": "user", "content": "Hi!"}]):
+        print(engine.tokenizer.decode(step.tokens), end="", flush=True)
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .draft.checkpoint import DEFAULT_HEAD, CheckpointError, load_head
+from .draft.drafter import Drafter
+from .draft.head import DraftHead
+from .generate import METHODS, ContextTooLong, DecodeParams, Step, check_prompt, decode
+from .models import DEFAULT_BASE, load_base, resolve_dtype
+from .target import Target
+
+__all__ = ["Engine", "Step", "DecodeParams", "CheckpointError", "ContextTooLong", "METHODS"]
+_ROLES = ("system", "user", "assistant")
+
+
+class Engine:
+    """A base model, an optional draft head, and a lock so that one generation runs at a time."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, head: DraftHead | None = None):
+        self.model, self.tokenizer, self.head = model, tokenizer, head
+        text_config = model.config.get_text_config()
+        self.target = Target(model, head.feature_layers(text_config.num_hidden_layers) if head else None)
+        self._lock = threading.Lock()
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.stop_ids = tuple(sorted(set(eos)))
+
+    @classmethod
+    def load(
+        cls,
+        base: str | None = None,
+        head: str | Path | None = "default",
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        head_dtype: str | None = None,
+    ) -> "Engine":
+        """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise."""
+        model, tokenizer = load_base(base, dtype=dtype, device=device)
+        if head == "default":
+            head = DEFAULT_HEAD if base in (None, "", DEFAULT_BASE) and DEFAULT_HEAD.exists() else None
+        draft = load_head(head, model, resolve_dtype(head_dtype) if head_dtype else None) if head else None
+        return cls(model, tokenizer, draft)
+
+    @property
+    def max_context(self) -> int:
+        return self.target.max_context
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation in the model's chat template, ready for the assistant's reply."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("the conversation is empty: give at least one user message")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in _ROLES:
+                raise ValueError(f"message {i} needs a role among {', '.join(_ROLES)}")
+            if not isinstance(message.get("content"), str):
+                raise ValueError(f"message {i} has non-text content; only text messages are supported")
+        if messages[-1]["role"] != "user":
+            raise ValueError("the last message must come from the user")
+        if not messages[-1]["content"].strip():
+            raise ValueError("the last user message is empty")
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def generate(self, prompt_ids: list[int], method: str = "eagle", **params) -> Iterator[Step]:
+        """Stream Steps for prompt_ids. Waits for any other generation to finish first."""
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if method == "eagle" and self.head is None:
+            raise ValueError("method 'eagle' needs a draft head; load one with head=... or use method='vanilla'")
+        decode_params = DecodeParams(stop_ids=self.stop_ids, **params)
+        check_prompt(prompt_ids, self.max_context)
+        return self._locked(prompt_ids, method, decode_params)
+
+    def _locked(self, prompt_ids: list[int], method: str, params: DecodeParams) -> Iterator[Step]:
+        with self._lock:
+            drafter = Drafter(self.head) if method == "eagle" else None
+            yield from decode(self.target, drafter, prompt_ids, params)
+
+    def chat(self, messages: list[dict], method: str = "eagle", **params) -> Iterator[Step]:
+        return self.generate(self.encode_chat(messages), method, **params)
+
+    def chat_text(self, messages: list[dict], method: str = "eagle", **params) -> str:
+        """Text in, text out: the assistant's whole reply."""
+        ids = [tok for step in self.chat(messages, method, **params) for tok in step.tokens]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+

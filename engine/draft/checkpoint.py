@@ -1,0 +1,166 @@
+"""Read and write draft heads in the official EAGLE layout: config.json + model.safetensors or pytorch_model.bin.
+
+Unlike the official loader (strict=False), every key is checked: a missing, unexpected or mis-shaped tensor is an
+error that names it, and a head whose sizes do not fit the base model is refused with both sets of sizes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import HeadConfig
+from .eagle1 import Eagle1Head
+from .eagle3 import Eagle3Head, fused_layers
+from .head import DraftHead
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+DEFAULT_HEAD = ASSETS / "smollm2-135m-eagle3"
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_HEADS = {"eagle1": Eagle1Head, "eagle3": Eagle3Head}
+
+
+class CheckpointError(ValueError):
+    """A head checkpoint that cannot be used: unreadable, incomplete, or made for another base model."""
+
+
+def new_head(kind: str, base_config, draft_vocab_size: int | None = None) -> DraftHead:
+    """A randomly initialised head sized for `base_config` (a transformers config)."""
+    if kind not in _HEADS:
+        raise ValueError(f"unknown head kind {kind!r}; choose eagle1 or eagle3")
+    text = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
+    rope = getattr(text, "rope_parameters", None) or {}
+    raw = {
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        "vocab_size": text.vocab_size,
+        "rms_norm_eps": text.rms_norm_eps,
+        "rope_theta": rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
+        "bias": True,
+        "draft_vocab_size": draft_vocab_size or text.vocab_size,
+    }
+    return _HEADS[kind](HeadConfig.from_dict(raw, kind))
+
+
+def _resolve(source: str | Path) -> Path:
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
+        raise CheckpointError(f"head {source} is neither a folder nor a hub id")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(source), allow_patterns=["config.json", *_WEIGHT_FILES]))
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    for name in _WEIGHT_FILES:
+        file = folder / name
+        if not file.exists():
+            continue
+        try:
+            if file.suffix == ".safetensors":
+                return load_file(str(file))
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as err:  # safetensors and torch raise many types for damaged files
+            raise CheckpointError(f"cannot read {file}: the file is corrupt or truncated ({err})") from err
+    raise CheckpointError(f"{folder} has no {' or '.join(_WEIGHT_FILES)}")
+
+
+def _kind(raw: dict, state: dict[str, torch.Tensor]) -> str:
+    if any(k.startswith("midlayer.") for k in state) or "draft_vocab_size" in raw:
+        return "eagle3"
+    if any(k.startswith("layers.") for k in state):
+        return "eagle1"
+    raise CheckpointError("cannot tell the head kind: no midlayer.* (EAGLE-3) or layers.* (EAGLE-1) keys")
+
+
+def check_fits(config: HeadConfig, base_config, head_name: str, base_name: str) -> None:
+    """Refuse a head whose sizes differ from the base model's, naming both."""
+    text = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
+    target_hidden = config.target_hidden_size or config.hidden_size
+    problems = []
+    if target_hidden != text.hidden_size:
+        problems.append(f"feature width {target_hidden} vs base hidden_size {text.hidden_size}")
+    if config.vocab_size != text.vocab_size:
+        problems.append(f"vocab_size {config.vocab_size} vs base vocab_size {text.vocab_size}")
+    if config.kind == "eagle3" and len(set(fused_layers(text.num_hidden_layers))) < 3:
+        problems.append(f"an EAGLE-3 head needs a base with at least 7 layers, it has {text.num_hidden_layers}")
+    if problems:
+        raise CheckpointError(
+            f"head {head_name} ({config.kind}, hidden_size {config.hidden_size}, vocab_size {config.vocab_size}) "
+            f"does not fit base model {base_name} (hidden_size {text.hidden_size}, vocab_size {text.vocab_size}, "
+            f"{text.num_hidden_layers} layers): " + "; ".join(problems)
+        )
+
+
+def load_head(source: str | Path, base_model: nn.Module, dtype: torch.dtype | None = None) -> DraftHead:
+    """Load a head for `base_model` from a folder or hub id, check it fits, and attach the base embeddings."""
+    folder = _resolve(source)
+    config_file = folder / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{folder} has no config.json") from err
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file} is not valid JSON: {err}") from err
+    state = _read_weights(folder)
+    try:
+        config = HeadConfig.from_dict(raw, _kind(raw, state))
+    except ValueError as err:
+        raise CheckpointError(f"{config_file}: {err}") from err
+    base_name = getattr(base_model.config, "name_or_path", "") or type(base_model).__name__
+    check_fits(config, base_model.config, str(source), base_name)
+
+    head = _HEADS[config.kind](config)
+    if "embed_tokens.weight" in state:
+        head.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+    if config.kind == "eagle3" and not head.has_vocab_map:
+        state.pop("d2t", None), state.pop("t2d", None)  # identity vocabulary, as the official loader does
+    expected = head.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"head {source} does not match the {config.kind} layout:"
+            + (f" missing {', '.join(missing)}" if missing else "")
+            + (f" unexpected {', '.join(unexpected)}" if unexpected else "")
+        )
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise CheckpointError(
+                f"head {source}: {key} has shape {list(tensor.shape)}, config.json implies {list(expected[key].shape)}"
+            )
+    head.load_state_dict(state, strict=True)
+    return place_head(head, base_model, dtype)
+
+
+def place_head(head: DraftHead, base_model: nn.Module, dtype: torch.dtype | None = None) -> DraftHead:
+    """Attach the base embeddings and move the head beside the base model's LM head, in eval mode."""
+    lm_head = base_model.get_output_embeddings()
+    device = lm_head.weight.device
+    float_dtype = dtype or (lm_head.weight.dtype if lm_head.weight.is_floating_point() else torch.float32)
+    head.to(device=device, dtype=float_dtype).eval().requires_grad_(False)
+    head.attach(base_model)
+    return head
+
+
+def save_head(head: DraftHead, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors; the borrowed base embedding is never written."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for key, tensor in head.state_dict().items():
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        state[key] = tensor.detach().cpu().contiguous()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = head.config.to_dict()
+    config["torch_dtype"] = str(dtype or head.fc.weight.dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder

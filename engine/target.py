@@ -1,0 +1,76 @@
+"""The base model seen by the decoding loop: one forward over new tokens with explicit positions and mask,
+returning final-norm hidden states and the features a draft head reads, through the unmodified HF model."""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class Target:
+    """Wraps a Hugging Face causal LM; the LM head is applied separately so callers pay only for rows they need."""
+
+    def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None):
+        self.model = model
+        self.body = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.config = model.config.get_text_config()
+        self.max_context = getattr(self.config, "max_position_embeddings", None) or 2048
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        self.set_feature_layers(feature_layers)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def set_feature_layers(self, layers: list[int] | None) -> None:
+        """Capture the inputs of these decoder layers (EAGLE-3) on every forward; None: final-norm output only."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self.feature_layers = [], layers
+        for index in layers or []:
+            self._hooks.append(self.body.layers[index].register_forward_pre_hook(self._capture(index), with_kwargs=True))
+
+    def _capture(self, index: int):
+        def hook(module, args, kwargs):
+            self._captured[index] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: DynamicCache,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the decoder over input_ids [T] appended to `cache`.
+
+        positions [T] default to consecutive ones after the cache; mask is a bool [T, cache+T] visibility matrix
+        (None: causal). Returns final-norm hidden states [T, H] and head features [T, F].
+        """
+        ids = input_ids.view(1, -1).to(self.device)
+        if mask is not None:
+            bias = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device)
+            bias.masked_fill_(~mask.to(self.device), torch.finfo(bias.dtype).min)
+            mask = bias[None, None]
+        out = self.body(
+            input_ids=ids,
+            position_ids=None if positions is None else positions.view(1, -1).to(self.device),
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        hidden = out.last_hidden_state[0]
+        if not self.feature_layers:
+            return hidden, hidden
+        features = torch.cat([self._captured.pop(i)[0] for i in self.feature_layers], dim=-1)
+        return hidden, features
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,158 @@
+"""Draft trees: EAGLE-2's dynamic tree and EAGLE-1's static trees, as flat node lists (root first, parents
+before children) with the ancestor mask and depths that verification needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+# EAGLE-1's published static tree `mc_sim_7b_63`: each path lists child ranks from the root (0 = top-1 draft).
+MC_SIM_7B_63 = [
+    [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
+]
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] base-vocabulary ids; node 0 is the root (the last token the base model produced)
+    parents: torch.Tensor  # [N] parent node index, -1 for the root
+
+    def __post_init__(self):
+        depths = [0] * len(self.parents)
+        for i, p in enumerate(self.parents.tolist()[1:], start=1):
+            depths[i] = depths[p] + 1
+        self.depths = torch.tensor(depths, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """Bool [N, N]: node i sees node j iff j is i or one of its ancestors."""
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool)
+        rows, cur = torch.arange(n), self.parents.clone()
+        while (cur >= 0).any():
+            ok = cur >= 0
+            mask[rows[ok], cur[ok]] = True
+            cur[ok] = self.parents[cur[ok]]
+        return mask
+
+    def children(self) -> list[list[int]]:
+        """Children of each node in draft-rank order (node order), for acceptance."""
+        kids: list[list[int]] = [[] for _ in range(len(self))]
+        for i, p in enumerate(self.parents.tolist()[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+
+class Expander(Protocol):
+    """What growing a tree needs from the draft head."""
+
+    def expand(self, hidden: torch.Tensor, tokens: torch.Tensor, level: int, visible: torch.Tensor) -> torch.Tensor:
+        """Feed tree nodes; visible[i, j]: node i sees the j-th fed node (itself included). Returns hidden outputs."""
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft log-probabilities [k, V_d] over the draft vocabulary."""
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Base-vocabulary ids of draft-vocabulary ids."""
+
+
+class _FedNodes:
+    """Tracks which tree nodes went through the head, so each new node sees exactly its fed ancestors."""
+
+    def __init__(self, expander: Expander):
+        self.expander = expander
+        self.rows = torch.zeros(0, 0, dtype=torch.bool)
+
+    def feed(self, hidden: torch.Tensor, tokens: torch.Tensor, parent_rows: torch.Tensor, level: int):
+        """parent_rows: index into earlier fed nodes for each new node, -1 when its parent is the root."""
+        n, b = self.rows.shape[0], len(tokens)
+        inherited = torch.zeros(b, n, dtype=torch.bool)
+        has_parent = parent_rows >= 0
+        inherited[has_parent] = self.rows[parent_rows[has_parent]]
+        new_rows = torch.cat([inherited, torch.eye(b, dtype=torch.bool)], dim=1)
+        self.rows = torch.cat([torch.cat([self.rows, torch.zeros(n, b, dtype=torch.bool)], 1), new_rows], 0)
+        return self.expander.expand(hidden, tokens, level, new_rows)
+
+
+def grow_dynamic(
+    expander: Expander, root: int, root_hidden: torch.Tensor, top_k: int, depth: int, total_tokens: int
+) -> DraftTree:
+    """EAGLE-2: expand the top_k best nodes by cumulative draft log-prob for `depth` steps, keep the best
+    total_tokens - 1 candidates. Scores never grow along a path, so a kept node's parent is always kept."""
+    logp = expander.log_probs(root_hidden[None])[0]
+    scores, ids = logp.topk(top_k)
+    all_tokens, all_scores = [expander.to_target(ids)], [scores]
+    all_parents = [torch.zeros(top_k, dtype=torch.long)]  # candidate numbers; 0 = root, candidates from 1
+    frontier = torch.arange(1, top_k + 1)
+    frontier_parent_rows = torch.full((top_k,), -1)
+    hidden, tokens = root_hidden.expand(top_k, -1), all_tokens[0]
+    fed = _FedNodes(expander)
+    next_number = top_k + 1
+    for level in range(depth):
+        out = fed.feed(hidden, tokens, frontier_parent_rows, level)
+        fed_rows = torch.arange(fed.rows.shape[0] - top_k, fed.rows.shape[0])
+        child_scores, child_ids = expander.log_probs(out).topk(top_k, dim=-1)
+        cum = (scores[:, None] + child_scores).flatten()
+        child_tokens = expander.to_target(child_ids).flatten()
+        all_tokens.append(child_tokens)
+        all_scores.append(cum)
+        all_parents.append(frontier.repeat_interleave(top_k))
+        scores, sel = cum.topk(top_k)
+        parent = sel // top_k
+        frontier, frontier_parent_rows = next_number + sel, fed_rows[parent]
+        hidden, tokens = out[parent], child_tokens[sel]
+        next_number += top_k * top_k
+
+    flat_scores = torch.cat(all_scores)
+    keep = min(total_tokens - 1, len(flat_scores))
+    order = torch.sort(-flat_scores, stable=True).indices[:keep].sort().values
+    number_to_node = torch.full((len(flat_scores) + 1,), -1, dtype=torch.long)
+    number_to_node[0] = 0
+    number_to_node[order + 1] = torch.arange(1, keep + 1)
+    parents = number_to_node[torch.cat(all_parents)[order]]
+    assert (parents >= 0).all(), "a kept draft node lost its parent"
+    return DraftTree(
+        tokens=torch.cat([torch.tensor([root]), torch.cat(all_tokens)[order]]),
+        parents=torch.cat([torch.tensor([-1]), parents]),
+    )
+
+
+def grow_static(expander: Expander, root: int, root_hidden: torch.Tensor, paths: list[list[int]]) -> DraftTree:
+    """EAGLE-1: a fixed tree shape; each node is the rank-th best draft token under its parent."""
+    paths = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
+    index = {(): 0, **{p: i + 1 for i, p in enumerate(paths)}}
+    missing = [p for p in paths if p[:-1] not in index]
+    if missing:
+        raise ValueError(f"static tree path {list(missing[0])} has no parent path")
+    tokens = [root] + [0] * len(paths)
+    expanded = {p[:-1] for p in paths}  # nodes with children, as paths
+    hidden_of: dict[tuple, torch.Tensor] = {(): root_hidden}
+    fed_row: dict[tuple, int] = {}
+    fed = _FedNodes(expander)
+
+    def children_of(parents: list[tuple], outs: torch.Tensor) -> None:
+        wanted = max(p[-1] for p in paths if p[:-1] in parents) + 1
+        ranked = expander.to_target(expander.log_probs(outs).topk(wanted, dim=-1).indices)
+        for parent, ranks in zip(parents, ranked.tolist()):
+            for p in paths:
+                if p[:-1] == parent:
+                    tokens[index[p]] = ranks[p[-1]]
+
+    children_of([()], root_hidden[None])
+    for level in range(max(map(len, paths)) - 1):
+        batch = [p for p in paths if len(p) == level + 1 and p in expanded]
+        hidden = torch.stack([hidden_of[p[:-1]] for p in batch])
+        toks = torch.tensor([tokens[index[p]] for p in batch])
+        parent_rows = torch.tensor([fed_row.get(p[:-1], -1) for p in batch])
+        start = fed.rows.shape[0]
+        outs = fed.feed(hidden, toks, parent_rows, level)
+        for i, p in enumerate(batch):
+            hidden_of[p], fed_row[p] = outs[i], start + i
+        children_of(batch, outs)
+    parents = [-1] + [index[p[:-1]] for p in paths]
+    return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents))
