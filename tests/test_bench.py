@@ -1,0 +1,96 @@
+"""The benchmark command end to end on a tiny random Llama with the real SmolLM2 tokenizer and a random EAGLE-3 head."""
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.bench import METHODS, main
+from engine.draft.checkpoint import new_head, save_head
+from engine.models import load_tokenizer
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a haiku about the sea.", "Now a longer one."]},
+    {"question_id": 2, "category": "math", "turns": ["What is 12 times 12? Explain step by step."]},
+]
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A tiny base model folder (tokenizer saved next to it), a head folder and a 2-question file."""
+    root = tmp_path_factory.mktemp("bench")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(root / "base")
+    load_tokenizer().save_pretrained(root / "base")
+    save_head(new_head("eagle3", config), root / "head")
+    questions = root / "questions.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(assets):
+    argv = [
+        "--base", str(assets / "base"), "--head", str(assets / "head"), "--questions", str(assets / "questions.jsonl"),
+        "--max-new-tokens", str(MAX_NEW), "--methods", ",".join(METHODS),
+        "--total-tokens", "6", "--depth", "2", "--draft-top-k", "3",
+        "--json", str(assets / "out.json"), "--plot", str(assets / "out.png"),
+    ]
+    return main(argv)
+
+
+def test_json_schema_and_tau(assets, report):
+    saved = json.loads((assets / "out.json").read_text())
+    assert saved["summary"].keys() == set(METHODS)
+    for method, s in saved["summary"].items():
+        for key in ("tokens", "wall_s", "tokens_per_s", "tau", "draft_ms", "verify_ms", "other_ms", "matches_vanilla"):
+            assert key in s, (method, key)
+        assert s["tokens"] == sum(len(q["results"][method]["token_ids"]) for q in saved["questions"])
+        assert s["wall_s"] > 0 and s["tokens_per_s"] == pytest.approx(s["tokens"] / s["wall_s"])
+    assert [q["question_id"] for q in saved["questions"]] == [1, 2]
+    for q in saved["questions"]:
+        for method in METHODS:
+            result = q["results"][method]
+            assert 1 <= len(result["token_ids"]) <= MAX_NEW and result["wall_s"] > 0 and result["target_forwards"] >= 1
+    assert saved["summary"]["vanilla"]["tau"] == 1.0
+    assert saved["summary"]["hf"]["tau"] == 1.0  # plain generate: one forward per token, counted by the hook
+    assert saved["summary"]["eagle"]["tau"] >= 1.0
+    assert saved["summary"]["eagle"]["draft_ms"] > 0 and saved["summary"]["hf"]["draft_ms"] is None
+
+
+def test_greedy_methods_equal_vanilla(report):
+    for q in report["questions"]:
+        vanilla = q["results"]["vanilla"]["token_ids"]
+        for method in ("eagle", "hf", "hf-pld"):
+            assert q["results"][method]["token_ids"] == vanilla, (q["question_id"], method)
+    assert all(s["matches_vanilla"] == len(QUESTIONS) for s in report["summary"].values())
+
+
+def test_plot_is_png(assets, report):
+    assert (assets / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_method_is_refused(assets, capsys):
+    with pytest.raises(SystemExit):
+        main(["--questions", str(assets / "questions.jsonl"), "--methods", "vanilla,medusa"])
+    err = capsys.readouterr().err
+    assert "unknown method 'medusa'" in err and "hf-pld" in err
+
+
+def test_malformed_question_line_is_named(assets, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(QUESTIONS[0]) + "\n\n" + '{"question_id": 2, "turns": ["hi"]\n')
+    with pytest.raises(SystemExit):
+        main(["--questions", str(bad), "--methods", "vanilla"])
+    assert f"{bad} line 3: not valid JSON" in capsys.readouterr().err
+
+    bad.write_text(json.dumps({"question_id": 2, "turns": ["hi"]}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["--questions", str(bad), "--methods", "vanilla"])
+    assert f"{bad} line 1: missing category" in capsys.readouterr().err
