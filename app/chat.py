@@ -1,0 +1,104 @@
+"""The one engine every browser session shares: a chat turn as a stream of (answer, meter) updates, one per round.
+
+No Gradio here: the UI turns these updates into HTML, and tests drive the service directly.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import closing
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+from engine import ContextTooLong, Engine
+
+from .meter import Baseline, TurnMeter
+from .render import Answer, TokenText
+
+CALIBRATION_PROMPT = [{"role": "user", "content": "Describe the sea in a few sentences."}]
+MIN_BASELINE_TOKENS = 8  # a plain-decoding turn shorter than this says little about speed
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a user can change per turn. Tree settings only matter for method "eagle"."""
+
+    method: str = "eagle"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    total_tokens: int = 24
+    depth: int = 5
+
+    def decode_params(self) -> dict:
+        params = asdict(self)
+        del params["method"]
+        return params
+
+
+class ChatService:
+    """Chat turns over one engine, with the plain decoding baseline and counters shown to every session."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.baseline = Baseline()
+        self._count_lock = threading.Lock()
+        self.rounds = 0  # decoding rounds since start-up, every session together
+        self.active = 0  # turns decoding or waiting for the engine
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return ("eagle", "vanilla") if self.engine.head is not None else ("vanilla",)
+
+    def _count(self, rounds: int = 0, active: int = 0) -> None:
+        with self._count_lock:
+            self.rounds += rounds
+            self.active += active
+
+    def calibrate(self, tokens: int = 24) -> None:
+        """Measure plain decoding on this machine: `tokens` rounds after the prefill."""
+        ids = self.engine.encode_chat(CALIBRATION_PROMPT)
+        for _ in self.stream(ids, Settings("vanilla", max_new_tokens=tokens + 1), "start-up calibration"):
+            pass
+
+    def fit(self, messages: list[dict], max_new_tokens: int) -> tuple[list[int], int]:
+        """Prompt ids for the conversation, dropping its oldest turns if they leave no room for the answer.
+
+        Returns the ids and how many messages were dropped. Raises ContextTooLong when even the last user
+        message alone does not fit.
+        """
+        room = min(max_new_tokens, self.engine.max_context // 4)
+        system = 1 if messages and messages[0]["role"] == "system" else 0
+        dropped = 0
+        while True:
+            kept = messages[:system] + messages[system + dropped :]
+            ids = self.engine.encode_chat(kept)
+            if len(ids) + room <= self.engine.max_context:
+                return ids, dropped
+            if len(kept) <= system + 1:
+                raise ContextTooLong(
+                    f"your message is {len(ids)} tokens long; this model reads at most {self.engine.max_context} "
+                    f"tokens and needs room for its answer, so keep a message under "
+                    f"{self.engine.max_context - room} tokens"
+                )
+            dropped += 2  # one user message and the answer to it
+
+    def stream(
+        self, prompt_ids: list[int], settings: Settings, baseline_source: str = "plain-decoding turns"
+    ) -> Iterator[tuple[Answer, TurnMeter]]:
+        """Answer a prompt, yielding after every round. Closing the iterator stops the engine at once."""
+        answer, detokenizer = Answer(), TokenText(self.engine.tokenizer)
+        turn = TurnMeter(settings.method)
+        self._count(active=1)
+        try:
+            with closing(self.engine.generate(prompt_ids, settings.method, **settings.decode_params())) as steps:
+                for i, step in enumerate(steps):
+                    answer.add(step.tokens, step.drafted, detokenizer)
+                    turn.add(step, prefill=i == 0)
+                    self._count(rounds=1)
+                    if step.finish_reason:
+                        answer.finish(detokenizer)
+                    yield answer, turn
+        finally:
+            self._count(active=-1)
+            if settings.method == "vanilla" and turn.tokens >= MIN_BASELINE_TOKENS:
+                self.baseline.add(turn.tokens, turn.seconds, baseline_source)

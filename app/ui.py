@@ -1,0 +1,280 @@
+"""The Gradio Blocks: chat, side-by-side comparison, settings, and the live meter, over one shared ChatService."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Iterator
+
+import gradio as gr
+
+from engine import ContextTooLong
+
+from .chat import ChatService, Settings
+from .conversation import Conversation, Turn, note_turn, user_turn
+from .meter import METHOD_NAMES, TurnMeter, meter_html, status_html
+from .render import render_answer, render_markdown
+
+log = logging.getLogger(__name__)
+CSS = Path(__file__).resolve().parents[1] / "assets" / "app.css"
+EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples.txt"
+EMPTY_HINT = "Type a message first: an empty message is not sent."
+BUSY_HINT = "An answer is still being written: wait for it or press Stop."
+STOP_WAIT_S = 60  # the longest a round can take to finish after Stop, on a slow machine
+LEGEND = (
+    '<div class="legend"><span class="drafted">drafted by EAGLE and accepted</span>'
+    '<span class="base">produced by the base model itself</span></div>'
+)
+FINISH_NOTES = {"eos": "", "length": "Stopped at the token limit (see Settings).", "context": "Stopped: the context window is full."}
+
+
+def _problem(err: Exception) -> str:
+    """What a user is told when a turn fails; the traceback goes to the server log only."""
+    if isinstance(err, (ContextTooLong, ValueError)):
+        return f"⚠ {str(err)[:1].upper()}{str(err)[1:]}."
+    log.exception("generation failed")
+    return f"⚠ Something went wrong while answering ({type(err).__name__}); the server log has the details."
+
+
+class Handlers:
+    """Event handlers, one method per action; Gradio-independent enough to be driven by tests."""
+
+    def __init__(self, service: ChatService, max_new_tokens: int):
+        self.service = service
+        self.max_new_tokens = max_new_tokens
+
+    def settings(self, method: str, temperature: float, top_p: float, max_new_tokens: int, total_tokens: int, depth: int) -> Settings:
+        return Settings(
+            method=method, temperature=float(temperature), top_p=float(top_p),
+            max_new_tokens=max(1, min(int(max_new_tokens), self.max_new_tokens)),
+            total_tokens=int(total_tokens), depth=int(depth),
+        )
+
+    # Chat tab -----------------------------------------------------------------------------------------------
+    def add_message(self, text: str, conversation: Conversation):
+        """Put the user's message in the chat at once; the answer follows in the queued step."""
+        if conversation.busy:
+            gr.Warning(BUSY_HINT)
+            return text, conversation, conversation.shown()
+        if not (text or "").strip():
+            gr.Warning(EMPTY_HINT)
+            return "", conversation, conversation.shown()
+        conversation.turns.append(user_turn(text))
+        return "", conversation, conversation.shown()
+
+    def answer(self, conversation: Conversation, provenance: bool, *settings) -> Iterator[tuple]:
+        """Stream the answer to the waiting user message: one update per decoding round."""
+        if conversation.busy or not conversation.waiting:
+            yield conversation, conversation.shown(), gr.skip()
+            return
+        conversation.busy = True
+        reply = Turn("assistant", "", "")
+        try:
+            settings = self.settings(*settings)
+            ids, dropped = self.service.fit(conversation.messages(), settings.max_new_tokens)
+            conversation.turns.append(reply)
+            for answer, meter in self.service.stream(ids, settings):
+                reply.text, reply.answer, reply.meter = answer.text, answer, meter
+                reply.html = render_answer(answer, provenance)
+                running = reply.meter.finish_reason is None
+                if not running:
+                    reply.note = self._note(reply.meter, dropped)
+                yield conversation, conversation.shown(), meter_html(reply.meter, self.service.baseline, running)
+        except Exception as err:  # a traceback must never reach the page
+            if reply.text:
+                conversation.turns.append(note_turn(_problem(err)))
+            else:  # nothing was answered: take the message out of the model's context, say why
+                if reply in conversation.turns:
+                    conversation.turns.remove(reply)
+                conversation.reject_last(_problem(err))
+            yield conversation, conversation.shown(), meter_html(reply.meter, self.service.baseline)
+        finally:
+            conversation.busy = False
+
+    @staticmethod
+    def _note(turn: TurnMeter, dropped: int) -> str:
+        notes = [FINISH_NOTES.get(turn.finish_reason or "", "")]
+        if dropped:
+            notes.append(f"The {dropped} oldest messages no longer fit the context and were left out.")
+        return " ".join(n for n in notes if n)
+
+    def after_stop(self, conversation: Conversation):
+        """Once the stopped answer has let go of the engine, mark it and settle the meter."""
+        deadline = time.monotonic() + STOP_WAIT_S
+        while conversation.busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reply = conversation.last_answer()
+        if reply is None or reply.meter is None:
+            return conversation, conversation.shown(), gr.skip()
+        if reply.meter.finish_reason is None and not reply.note:
+            reply.note = f"Stopped after {len(reply.answer.ids)} tokens."
+        return conversation, conversation.shown(), meter_html(reply.meter, self.service.baseline)
+
+    def regenerate(self, conversation: Conversation):
+        if conversation.busy:
+            gr.Warning(BUSY_HINT)
+        elif not conversation.drop_answer():
+            gr.Warning("There is no answer to regenerate yet.")
+        return conversation, conversation.shown()
+
+    def clear(self):
+        return Conversation(), [], meter_html(None, self.service.baseline)
+
+    def rerender(self, conversation: Conversation, provenance: bool):
+        conversation.rerender(provenance)
+        return conversation.shown()
+
+    def status(self) -> str:
+        return status_html(self.service.rounds, self.service.active)
+
+    # Side-by-side tab ---------------------------------------------------------------------------------------
+    def compare(self, text: str, provenance: bool, *settings) -> Iterator[tuple[str, str, str, str]]:
+        """Answer one prompt with plain decoding, then with EAGLE, both greedy, and say if the outputs match."""
+        panes = {"vanilla": "", "eagle": ""}
+
+        def update(verdict: str, meter=gr.skip()):
+            return panes["vanilla"], panes["eagle"], verdict, meter
+
+        if not (text or "").strip():
+            gr.Warning(EMPTY_HINT)
+            yield update("")
+            return
+        if "eagle" not in self.service.methods:
+            yield update(_verdict("⚠ No draft head is loaded, so there is no EAGLE answer to compare (start with --head)."))
+            return
+        results = {}
+        try:
+            chosen = self.settings("eagle", 0.0, 1.0, *settings)
+            ids, _ = self.service.fit([{"role": "user", "content": text}], chosen.max_new_tokens)
+            for method in ("vanilla", "eagle"):
+                run = Settings(method, 0.0, 1.0, chosen.max_new_tokens, chosen.total_tokens, chosen.depth)
+                for answer, turn in self.service.stream(ids, run):
+                    panes[method] = render_answer(answer, provenance)
+                    results[method] = (answer, turn)
+                    yield update(_verdict(f"{METHOD_NAMES[method]} is answering…"), meter_html(turn, self.service.baseline, True))
+        except Exception as err:
+            yield update(_verdict(_problem(err)))
+            return
+        yield update(_compare_verdict(results["vanilla"], results["eagle"]), meter_html(results["eagle"][1], self.service.baseline))
+
+
+def _verdict(text: str, state: str = "") -> str:
+    return f'<div class="verdict" data-verdict="{state}">{render_markdown(text)}</div>'
+
+
+def _compare_verdict(plain, eagle) -> str:
+    (plain_answer, plain_turn), (eagle_answer, eagle_turn) = plain, eagle
+    a, b = plain_answer.ids, eagle_answer.ids
+    if a == b:
+        head = f"✅ Identical: both produced the same {len(a)} tokens."
+        state = "identical"
+    else:
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        head = f"❌ The outputs differ from token {first} on ({len(a)} vs {len(b)} tokens)."
+        state = "different"
+    speeds = ""
+    if plain_turn.tokens_per_s and eagle_turn.tokens_per_s:
+        speeds = (
+            f" Plain decoding {plain_turn.tokens_per_s:.1f} tokens/s, EAGLE {eagle_turn.tokens_per_s:.1f} tokens/s "
+            f"(τ {eagle_turn.tau:.2f}): {eagle_turn.tokens_per_s / plain_turn.tokens_per_s:.2f}× on this prompt."
+        )
+    return _verdict(head + speeds, state)
+
+
+def _examples() -> list[str]:
+    return [line.strip() for line in EXAMPLES.read_text().splitlines() if line.strip()] if EXAMPLES.exists() else []
+
+
+def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EAGLE chat") -> gr.Blocks:
+    """The whole page. Every generation shares the concurrency group "engine": one at a time, others queue."""
+    handlers = Handlers(service, max_new_tokens)
+    methods = service.methods
+    engine_events = dict(concurrency_id="engine", concurrency_limit=1)
+    with gr.Blocks(title=title) as demo:
+        conversation = gr.State(Conversation())
+        gr.HTML(
+            f'<div class="app-header"><h1>{title}</h1><p>Lossless speculative decoding: a small EAGLE head drafts '
+            "tokens, the base model checks them all in one pass, and the text is exactly what the base model alone "
+            "would write.</p></div>"
+        )
+        with gr.Row():
+            with gr.Column(scale=3):
+                with gr.Tabs():
+                    with gr.Tab("Chat"):
+                        chatbot = gr.Chatbot(
+                            elem_id="chat", show_label=False, height=520, render_markdown=False, sanitize_html=True,
+                            latex_delimiters=[], allow_tags=False, buttons=[], feedback_options=None,
+                        )
+                        gr.HTML(LEGEND)
+                        with gr.Row(equal_height=True):
+                            prompt = gr.Textbox(
+                                elem_id="prompt", show_label=False, placeholder="Message (Enter sends)", lines=1,
+                                max_lines=8, scale=6, autofocus=True,
+                            )
+                            send = gr.Button("Send", variant="primary", elem_id="send", scale=1, min_width=80)
+                            stop = gr.Button("Stop", variant="stop", elem_id="stop", scale=1, min_width=80)
+                        with gr.Row():
+                            regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
+                            clear = gr.Button("Clear", size="sm", elem_id="clear")
+                        if _examples():
+                            gr.Examples([[e] for e in _examples()], inputs=[prompt], label="Examples")
+                    with gr.Tab("Side by side"):
+                        gr.Markdown(
+                            "The same prompt answered twice, greedily: first by plain decoding, then with EAGLE. "
+                            "Lossless means the two texts are identical, token for token."
+                        )
+                        with gr.Row(equal_height=True):
+                            compare_prompt = gr.Textbox(elem_id="compare-prompt", show_label=False, placeholder="Prompt", scale=6)
+                            compare_button = gr.Button("Compare", variant="primary", elem_id="compare", scale=1)
+                            compare_stop = gr.Button("Stop", variant="stop", elem_id="compare-stop", scale=1)
+                        verdict = gr.HTML(elem_id="verdict")
+                        with gr.Row():
+                            with gr.Column():
+                                gr.Markdown("**Plain decoding**")
+                                plain_pane = gr.HTML(elem_id="plain-answer", elem_classes=["pane"])
+                            with gr.Column():
+                                gr.Markdown("**EAGLE**")
+                                eagle_pane = gr.HTML(elem_id="eagle-answer", elem_classes=["pane"])
+            with gr.Column(scale=1, min_width=280):
+                meter = gr.HTML(meter_html(None, service.baseline), elem_id="meter")
+                engine_status = gr.HTML(handlers.status(), elem_id="engine-status")
+                with gr.Accordion("Settings", open=True):
+                    method = gr.Radio(
+                        [(METHOD_NAMES[m], m) for m in methods], value=methods[0], label="Method",
+                        info=None if "eagle" in methods else "No draft head loaded: plain decoding only.",
+                    )
+                    temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy")
+                    top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
+                    max_tokens = gr.Slider(
+                        1, max_new_tokens, value=max_new_tokens, step=1, label="Max new tokens", elem_id="max-new-tokens"
+                    )
+                    total_tokens = gr.Slider(2, 96, value=24, step=1, label="Tree size", info="draft tokens verified per round")
+                    depth = gr.Slider(1, 10, value=5, step=1, label="Tree depth")
+                    provenance = gr.Checkbox(value=True, label="Colour drafted tokens", elem_id="provenance")
+        timer = gr.Timer(1.0)
+        timer.tick(handlers.status, None, engine_status, queue=False, show_progress="hidden")
+
+        settings = [method, temperature, top_p, max_tokens, total_tokens, depth]
+        answer_inputs = [conversation, provenance, *settings]
+        answer_outputs = [conversation, chatbot, meter]
+        answers = []
+        for trigger in (prompt.submit, send.click):
+            added = trigger(handlers.add_message, [prompt, conversation], [prompt, conversation, chatbot], queue=False)
+            answers.append(added.then(handlers.answer, answer_inputs, answer_outputs, **engine_events))
+        dropped = regenerate.click(handlers.regenerate, [conversation], [conversation, chatbot], queue=False)
+        answers.append(dropped.then(handlers.answer, answer_inputs, answer_outputs, **engine_events))
+        stop.click(None, None, None, cancels=answers).then(
+            handlers.after_stop, [conversation], [conversation, chatbot, meter], queue=False
+        )
+        for trigger in (clear.click, chatbot.clear):  # the Chatbot's own bin icon clears the conversation too
+            trigger(None, None, None, cancels=answers).then(handlers.clear, None, [conversation, chatbot, meter], queue=False)
+        provenance.change(handlers.rerender, [conversation, provenance], [chatbot], queue=False)
+
+        compare_inputs = [compare_prompt, provenance, max_tokens, total_tokens, depth]
+        compare_outputs = [plain_pane, eagle_pane, verdict, meter]
+        comparisons = [
+            trigger(handlers.compare, compare_inputs, compare_outputs, **engine_events)
+            for trigger in (compare_prompt.submit, compare_button.click)
+        ]
+        compare_stop.click(None, None, None, cancels=comparisons)
+    return demo
