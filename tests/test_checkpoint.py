@@ -1,0 +1,136 @@
+"""Official EAGLE checkpoint layouts load and decode losslessly; saving round-trips; bad files are refused."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import IdsOnlyTokenizer, tiny_base, tokens_of
+from engine import Engine
+from engine.draft.checkpoint import CheckpointError, load_head, save_head
+
+
+def _official_eagle1(model, folder, rng):
+    """Keys and config as the released EAGLE-1 (Vicuna) heads have them, built by hand."""
+    c = model.config
+    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    kv = c.num_key_value_heads * (h // c.num_attention_heads)
+    w = lambda *s: torch.randn(*s, generator=rng) * 0.3
+    state = {
+        "embed_tokens.weight": model.get_input_embeddings().weight.clone(),
+        "fc.weight": w(h, 2 * h), "fc.bias": w(h),
+        "layers.0.self_attn.q_proj.weight": w(h, h), "layers.0.self_attn.k_proj.weight": w(kv, h),
+        "layers.0.self_attn.v_proj.weight": w(kv, h), "layers.0.self_attn.o_proj.weight": w(h, h),
+        "layers.0.mlp.gate_proj.weight": w(i, h), "layers.0.mlp.up_proj.weight": w(i, h),
+        "layers.0.mlp.down_proj.weight": w(h, i), "layers.0.post_attention_layernorm.weight": 1 + w(h),
+    }
+    config = {
+        "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": h, "intermediate_size": i,
+        "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
+        "vocab_size": v, "torch_dtype": "float16", "transformers_version": "4.28.1",
+    }
+    folder.mkdir()
+    torch.save(state, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _official_eagle3(model, folder, rng, draft_vocab=12):
+    c = model.config
+    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    kv = c.num_key_value_heads * (h // c.num_attention_heads)
+    w = lambda *s: torch.randn(*s, generator=rng) * 0.3
+    used = torch.randperm(v, generator=rng)[:draft_vocab].sort().values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[used] = True
+    state = {
+        "fc.weight": w(h, 3 * h),
+        "midlayer.self_attn.q_proj.weight": w(h, 2 * h), "midlayer.self_attn.k_proj.weight": w(kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(kv, 2 * h), "midlayer.self_attn.o_proj.weight": w(h, h),
+        "midlayer.mlp.gate_proj.weight": w(i, h), "midlayer.mlp.up_proj.weight": w(i, h),
+        "midlayer.mlp.down_proj.weight": w(h, i), "midlayer.hidden_norm.weight": 1 + w(h),
+        "midlayer.input_layernorm.weight": 1 + w(h), "midlayer.post_attention_layernorm.weight": 1 + w(h),
+        "norm.weight": 1 + w(h), "lm_head.weight": w(draft_vocab, h),
+        "d2t": used - torch.arange(draft_vocab), "t2d": t2d,
+    }
+    config = {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": i,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": v, "draft_vocab_size": draft_vocab,
+        "max_position_embeddings": 2048, "pad_token_id": 0, "torch_dtype": "float16",
+    }
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return used
+
+
+@pytest.fixture
+def model():
+    return tiny_base("llama-h64-l8-gqa")
+
+
+@pytest.mark.parametrize("writer", [_official_eagle1, _official_eagle3])
+def test_official_layout_loads_and_decodes_losslessly(writer, model, tmp_path, prompt):
+    writer(model, tmp_path / "head", torch.Generator().manual_seed(0))
+    head = load_head(tmp_path / "head", model)
+    engine = Engine(model, IdsOnlyTokenizer(), head)
+    vanilla = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=60))
+    steps = list(engine.generate(prompt, "eagle", max_new_tokens=60))
+    assert tokens_of(steps) == vanilla
+    assert sum(s.accepted for s in steps) > 0
+
+
+def test_eagle3_vocab_map_is_applied(model, tmp_path):
+    used = _official_eagle3(model, tmp_path / "head", torch.Generator().manual_seed(0))
+    head = load_head(tmp_path / "head", model)
+    assert head.to_target(torch.arange(len(used))).tolist() == used.tolist()
+
+
+@pytest.mark.parametrize("writer", [_official_eagle1, _official_eagle3])
+def test_save_then_load_round_trips_exactly(writer, model, tmp_path, prompt):
+    writer(model, tmp_path / "head", torch.Generator().manual_seed(0))
+    head = load_head(tmp_path / "head", model)
+    save_head(head, tmp_path / "again")
+    again = load_head(tmp_path / "again", model)
+    for key, tensor in head.state_dict().items():
+        assert torch.equal(tensor, again.state_dict()[key]), key
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["num_hidden_layers"] == 1
+    runs = [list(Engine(model, IdsOnlyTokenizer(), h).generate(prompt, "eagle", max_new_tokens=40)) for h in (head, again)]
+    assert [s.tokens for s in runs[0]] == [s.tokens for s in runs[1]]
+
+
+def test_truncated_file_is_refused_clearly(model, tmp_path):
+    _official_eagle3(model, tmp_path / "head", torch.Generator().manual_seed(0))
+    file = tmp_path / "head" / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_head(tmp_path / "head", model)
+
+
+def test_head_for_another_base_is_refused_naming_both(model, tmp_path):
+    _official_eagle1(tiny_base("llama-h48-l7-mqa"), tmp_path / "head", torch.Generator().manual_seed(0))
+    with pytest.raises(CheckpointError, match=r"hidden_size 48.*does not fit base model.*hidden_size 64"):
+        load_head(tmp_path / "head", model)
+
+
+def test_missing_and_unexpected_keys_are_named(model, tmp_path):
+    _official_eagle3(model, tmp_path / "head", torch.Generator().manual_seed(0))
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "head" / "model.safetensors"))
+    state.pop("norm.weight")
+    state["extra.weight"] = torch.zeros(2)
+    save_file(state, str(tmp_path / "head" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing norm\.weight.*unexpected extra\.weight"):
+        load_head(tmp_path / "head", model)
+
+
+def test_missing_files_and_bad_json_are_named(model, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_head(tmp_path / "empty", model)
+    _official_eagle1(model, tmp_path / "head", torch.Generator().manual_seed(0))
+    (tmp_path / "head" / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_head(tmp_path / "head", model)

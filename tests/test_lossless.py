@@ -1,0 +1,59 @@
+"""Greedy EAGLE output must equal plain greedy decoding token for token, for every head kind and tree."""
+import pytest
+import torch
+
+from conftest import SHAPES, tiny_engine, tokens_of
+
+NEW_TOKENS = 80
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+def test_eagle_greedy_equals_vanilla(shape, kind, tree, prompt):
+    engine = tiny_engine(shape, kind)
+    vanilla = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=NEW_TOKENS))
+    steps = list(engine.generate(prompt, "eagle", max_new_tokens=NEW_TOKENS, tree=tree))
+    assert tokens_of(steps) == vanilla
+    assert sum(s.accepted for s in steps) > 0, "no draft was accepted: the test would not exercise tree paths"
+    assert len(steps) < NEW_TOKENS
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_vanilla_equals_transformers_generate(shape, prompt):
+    engine = tiny_engine(shape, None)
+    ours = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=NEW_TOKENS))
+    ref = engine.model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert ours == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("total_tokens,depth,top_k", [(2, 1, 1), (8, 3, 2), (40, 6, 6), (70, 8, 10)])
+def test_tree_settings_stay_lossless(total_tokens, depth, top_k, prompt):
+    engine = tiny_engine("llama-h64-l8-gqa", "eagle3")
+    vanilla = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=60))
+    eagle = engine.generate(prompt, "eagle", max_new_tokens=60, total_tokens=total_tokens, depth=depth, draft_top_k=top_k)
+    assert tokens_of(eagle) == vanilla
+
+
+def test_stops_at_context_limit_with_same_tokens(prompt):
+    engine = tiny_engine("llama-h48-l7-mqa", "eagle1")
+    room = engine.max_context - len(prompt)
+    vanilla = list(engine.generate(prompt, "vanilla", max_new_tokens=10_000))
+    eagle = list(engine.generate(prompt, "eagle", max_new_tokens=10_000))
+    assert tokens_of(eagle) == tokens_of(vanilla)
+    assert len(tokens_of(eagle)) == room
+    assert eagle[-1].finish_reason == vanilla[-1].finish_reason == "context"
+
+
+def test_stops_at_eos_and_max_new_tokens(prompt):
+    engine = tiny_engine("llama-h64-l8-gqa", "eagle3")
+    reference = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=60))
+    stop = reference[25]
+    engine.stop_ids = (stop,)
+    first = reference.index(stop)
+    for method in ("vanilla", "eagle"):
+        steps = list(engine.generate(prompt, method, max_new_tokens=60))
+        assert tokens_of(steps) == reference[: first + 1]
+        assert steps[-1].finish_reason == "eos"
+        capped = list(engine.generate(prompt, method, max_new_tokens=first))
+        assert tokens_of(capped) == reference[:first] and capped[-1].finish_reason == "length"
