@@ -47,11 +47,22 @@ class Engine:
         device: str = "cpu",
         dtype: str = "float32",
         head_dtype: str | None = None,
+        quantization: str = "none",
+        attn: str = "sdpa",
+        max_memory: str | None = None,
     ) -> "Engine":
-        """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise."""
-        model, tokenizer = load_base(base, dtype=dtype, device=device)
+        """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise.
+
+        quantization, attn and max_memory (a per-GPU cap for device="auto") are explained in engine.models.
+        """
         if head == "default":
             head = DEFAULT_HEAD if base in (None, "", DEFAULT_BASE) and DEFAULT_HEAD.exists() else None
+        if head and attn == "flash_attention_2":
+            raise ValueError("flash_attention_2 cannot apply the tree mask that EAGLE verification needs: "
+                             "use attn='sdpa' with a draft head (flash_attention_2 serves plain decoding only)")
+        model, tokenizer = load_base(
+            base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
+        )
         draft = load_head(head, model, resolve_dtype(head_dtype) if head_dtype else None) if head else None
         return cls(model, tokenizer, draft)
 

