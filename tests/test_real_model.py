@@ -1,0 +1,68 @@
+"""End to end on the embedded SmolLM2-135M-Instruct with the shipped EAGLE-3 head, in float32."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tokens_of
+from engine import Engine
+from engine.draft.checkpoint import DEFAULT_HEAD
+
+BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench" / "mt_bench.jsonl"
+FALLBACK_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "List three uses of copper."]
+
+
+def _prompts(n: int) -> list[str]:
+    if BENCH.exists():
+        return [json.loads(line)["turns"][0] for line in BENCH.read_text().splitlines()[:n]]
+    return FALLBACK_PROMPTS[:n]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield Engine.load()
+    torch.set_num_threads(threads)
+
+
+def test_default_engine_has_the_shipped_eagle3_head(engine):
+    assert DEFAULT_HEAD.exists()
+    assert engine.head is not None and engine.head.kind == "eagle3"
+
+
+def test_vanilla_equals_transformers_generate(engine):
+    ids = engine.encode_chat([{"role": "user", "content": _prompts(1)[0]}])
+    ours = tokens_of(engine.generate(ids, "vanilla", max_new_tokens=24))
+    ref = engine.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=list(engine.stop_ids))
+    assert ours == ref[0, len(ids):].tolist()
+
+
+def test_eagle_greedy_equals_vanilla_with_real_acceptance(engine):
+    forwards = produced = 0
+    for text in _prompts(3):
+        ids = engine.encode_chat([{"role": "user", "content": text}])
+        vanilla = tokens_of(engine.generate(ids, "vanilla", max_new_tokens=48))
+        steps = list(engine.generate(ids, "eagle", max_new_tokens=48))
+        assert tokens_of(steps) == vanilla
+        forwards += len(steps) - 1
+        produced += len(vanilla) - 1
+    assert produced / forwards > 1.8, "the shipped head should accept well over one draft token per round"
+
+
+def test_static_tree_is_lossless_too(engine):
+    ids = engine.encode_chat([{"role": "user", "content": _prompts(2)[1]}])
+    vanilla = tokens_of(engine.generate(ids, "vanilla", max_new_tokens=32))
+    assert tokens_of(engine.generate(ids, "eagle", max_new_tokens=32, tree="static")) == vanilla
+
+
+def test_multi_turn_chat_text(engine):
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    reply = engine.chat_text(messages, max_new_tokens=24)
+    assert "Rome" in reply
+    assert "<|im_end|>" not in reply
