@@ -122,7 +122,10 @@ def resolve_device(device: str) -> str:
     """Check a device name; "auto" becomes every GPU ("auto", see engine.placement), the only GPU, or the CPU."""
     if device == "auto":
         return "auto" if torch.cuda.device_count() > 1 else "cuda:0" if torch.cuda.is_available() else "cpu"
-    kind = torch.device(device).type  # raises on a malformed name
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as err:
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N or auto") from err
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} needs a CUDA GPU, and torch {torch.__version__} sees none")
     return device
@@ -145,9 +148,9 @@ def load_model(
     dtype = resolve_dtype(dtype)
     if attn_implementation not in ATTENTIONS:
         raise ValueError(f"unknown attention {attn_implementation!r}; choose one of {', '.join(ATTENTIONS)}")
-    device = resolve_device(device)
     if max_memory is not None and device != "auto":
-        raise ValueError("max_memory caps each GPU of device='auto' when several GPUs are visible")
+        raise ValueError("max_memory caps each GPU when device='auto' spreads the model over several GPUs")
+    device = resolve_device(device)
     if attn_implementation == "flash_attention_2":
         require("flash_attn", "attention flash_attention_2", "-r requirements-gpu.txt")
         if not device.startswith(("cuda", "auto")):

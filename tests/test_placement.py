@@ -3,6 +3,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
+from engine.models import resolve_device
 from engine.placement import device_map_for, head_device, module_bytes, plan_device_map, split_layers
 
 GIB = 2**30
@@ -105,3 +106,10 @@ def test_device_map_covers_every_parameter():
         assert any(name == key or name.startswith(key + ".") for key in device_map), name
     with pytest.raises(ValueError, match="3 devices given for 4 decoder layers"):
         device_map_for(model, [0, 0, 1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_auto_device_without_gpus_is_the_cpu():
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(ValueError, match="unknown device 'gpu:0'"):
+        resolve_device("gpu:0")

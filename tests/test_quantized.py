@@ -113,7 +113,7 @@ def test_flash_attention_is_refused_with_a_draft_head(tmp_path):
         (dict(quantization="3bit"), "unknown quantization '3bit'"),
         (dict(attn_implementation="flash"), "unknown attention 'flash'"),
         (dict(device="cuda:0"), "needs a CUDA GPU"),
-        (dict(max_memory="10GiB"), "max_memory caps each GPU"),
+        (dict(max_memory="10GiB"), "max_memory caps each GPU when device=.auto."),
     ],
 )
 def test_bad_options_are_refused_before_loading(base_folder, kwargs, message):
