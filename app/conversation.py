@@ -27,7 +27,7 @@ def user_turn(text: str) -> Turn:
 
 def note_turn(text: str) -> Turn:
     """An assistant-side notice (an error, a rejected message) shown in the chat and hidden from the model."""
-    return Turn("assistant", text, f'<div class="message notice">{render_markdown(text)}</div>', in_context=False)
+    return Turn("assistant", text, render_markdown(text, "notice"), in_context=False)
 
 
 @dataclass
@@ -76,4 +76,4 @@ class Conversation:
 
 
 def _note(note: str) -> str:
-    return f'<div class="answer-note">{render_markdown(note)}</div>' if note else ""
+    return render_markdown(note, "answer-note") if note else ""

@@ -155,15 +155,15 @@ def _markdown() -> MarkdownIt:
 _MD = _markdown()
 
 
-def render_markdown(text: str) -> str:
-    """Safe HTML for a message with no provenance (the user's messages, or provenance switched off)."""
-    return f'<div class="message">{_MD.render(text, {})}</div>'
+def render_markdown(text: str, kind: str = "user") -> str:
+    """Safe HTML for a message with no provenance: a user's message, a notice, or an answer with provenance off."""
+    return f'<div class="eagle-msg eagle-{kind}">{_MD.render(text, {})}</div>'
 
 
 def render_answer(answer: Answer, provenance: bool = True) -> str:
     """Safe HTML for an answer, with a span per token marking it drafted or base when `provenance` is on."""
     if not provenance:
-        return render_markdown(answer.text)
+        return render_markdown(answer.text, "answer")
     spans = _Provenance(answer.pieces, answer.drafted)
     body = _MD.render(answer.text, {"provenance": spans})
-    return f'<div class="message answer">{body}{spans.rest()}</div>'
+    return f'<div class="eagle-msg eagle-answer">{body}{spans.rest()}</div>'

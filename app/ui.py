@@ -159,7 +159,7 @@ class Handlers:
 
 
 def _verdict(text: str, state: str = "") -> str:
-    return f'<div class="verdict" data-verdict="{state}">{render_markdown(text)}</div>'
+    return f'<div class="verdict" data-verdict="{state}">{render_markdown(text, "verdict-text")}</div>'
 
 
 def _compare_verdict(plain, eagle) -> str:
@@ -190,6 +190,8 @@ def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EA
     handlers = Handlers(service, max_new_tokens)
     methods = service.methods
     engine_events = dict(concurrency_id="engine", concurrency_limit=1)
+    # Quick steps skip the engine's line but stay queued: only queued events can show a hint (gr.Warning).
+    quick_events = dict(concurrency_limit=None, show_progress="hidden")
     with gr.Blocks(title=title) as demo:
         conversation = gr.State(Conversation())
         gr.HTML(
@@ -237,7 +239,7 @@ def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EA
                                 eagle_pane = gr.HTML(elem_id="eagle-answer", elem_classes=["pane"])
             with gr.Column(scale=1, min_width=280):
                 meter = gr.HTML(meter_html(None, service.baseline), elem_id="meter")
-                engine_status = gr.HTML(handlers.status(), elem_id="engine-status")
+                engine_status = gr.HTML(handlers.status, elem_id="engine-status")  # a callable: fresh on every page load
                 with gr.Accordion("Settings", open=True):
                     method = gr.Radio(
                         [(METHOD_NAMES[m], m) for m in methods], value=methods[0], label="Method",
@@ -259,12 +261,12 @@ def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EA
         answer_outputs = [conversation, chatbot, meter]
         answers = []
         for trigger in (prompt.submit, send.click):
-            added = trigger(handlers.add_message, [prompt, conversation], [prompt, conversation, chatbot], queue=False)
+            added = trigger(handlers.add_message, [prompt, conversation], [prompt, conversation, chatbot], **quick_events)
             answers.append(added.then(handlers.answer, answer_inputs, answer_outputs, **engine_events))
-        dropped = regenerate.click(handlers.regenerate, [conversation], [conversation, chatbot], queue=False)
+        dropped = regenerate.click(handlers.regenerate, [conversation], [conversation, chatbot], **quick_events)
         answers.append(dropped.then(handlers.answer, answer_inputs, answer_outputs, **engine_events))
         stop.click(None, None, None, cancels=answers).then(
-            handlers.after_stop, [conversation], [conversation, chatbot, meter], queue=False
+            handlers.after_stop, [conversation], [conversation, chatbot, meter], **quick_events
         )
         for trigger in (clear.click, chatbot.clear):  # the Chatbot's own bin icon clears the conversation too
             trigger(None, None, None, cancels=answers).then(handlers.clear, None, [conversation, chatbot, meter], queue=False)

@@ -1,0 +1,69 @@
+"""Chat with a model in the browser and watch EAGLE speculative decoding at work: `python app.py [options]`.
+
+Also the Hugging Face Spaces entry point: Spaces runs this file as it is (host and port come from the
+GRADIO_SERVER_NAME / GRADIO_SERVER_PORT environment variables that Spaces sets).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from app.zerogpu import on_gpu  # before torch: on ZeroGPU hardware `spaces` must patch CUDA first
+
+from engine import CheckpointError, Engine
+from engine.models import DTYPES, QUANTIZATIONS
+
+from app.chat import ChatService
+from app.ui import CSS, build_demo
+
+CALIBRATION_TOKENS = 24
+
+
+def parse_auth(value: str) -> tuple[str, str]:
+    user, colon, password = value.partition(":")
+    if not colon or not user or not password:
+        raise argparse.ArgumentTypeError("--auth takes user:password")
+    return user, password
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", help="base model: a hub id, a local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--head", default="default", help='EAGLE head folder or hub id; "default" = the shipped head for the default base, "none" = plain decoding only')
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (every GPU, else the CPU)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    parser.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS), help="bitsandbytes weights for Hugging Face checkpoints")
+    parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 7860, or the next free one)")
+    parser.add_argument("--share", action="store_true", help="also serve through a temporary public gradio.live link")
+    parser.add_argument("--auth", type=parse_auth, help="user:password required to open the app (recommended with --share)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="longest answer a user may ask for (the settings slider's maximum)")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    head = None if args.head.lower() == "none" else args.head
+    try:
+        engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization)
+    except (CheckpointError, ValueError, OSError, ImportError) as err:  # bad paths, sizes, devices, packages
+        raise SystemExit(f"app.py: error: {err}") from None
+    service = ChatService(engine)
+    service.stream = on_gpu(service.stream)  # the generation function, under spaces.GPU on ZeroGPU hardware
+    logging.info("measuring plain decoding speed for the meter (%d tokens)…", CALIBRATION_TOKENS)
+    service.calibrate(CALIBRATION_TOKENS)
+    logging.info("plain decoding: %.1f tokens/s", service.baseline.tokens_per_s or 0.0)
+    demo = build_demo(service, args.max_new_tokens)
+    demo.queue(max_size=64)
+    demo.launch(
+        server_name=args.host, server_port=args.port, share=args.share, auth=args.auth, css_paths=[CSS],
+        footer_links=["gradio", "settings"],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Drive the real app in headless Chromium: start `python app.py`, open it, chat. Used by the browser test and
+scripts/screenshot.py.
+
+The browser is Debian's Chromium (`apt-get install chromium`) driven by the `playwright` package; playwright's
+own browser download is never used.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from playwright.sync_api import Browser, Page, Playwright
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--no-first-run",
+]
+STARTUP_S = 300  # model load and the start-up calibration, on a busy 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_app(*args: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """Start `python app.py *args` on a free port and wait until it serves its page."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port), *args],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"app.py exited with code {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return process, url
+        except OSError:
+            time.sleep(1)
+    stop_app(process)
+    raise TimeoutError(f"app.py did not serve {url} within {STARTUP_S} s:\n{log.read_text()[-3000:]}")
+
+
+def stop_app(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def launch_chromium(playwright: Playwright) -> Browser:
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+
+
+def open_app(browser: Browser, url: str, width: int = 1280, height: int = 900) -> Page:
+    """A fresh page (its own Gradio session) with the app loaded."""
+    page = browser.new_context(viewport={"width": width, "height": height}).new_page()
+    page.goto(url)
+    page.wait_for_selector("#prompt textarea", timeout=60_000)
+    return page
+
+
+def set_number(page: Page, elem_id: str, value: float) -> None:
+    """Type a value into a slider's number box, as a user would."""
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def choose_method(page: Page, label: str) -> None:
+    page.get_by_label(label, exact=True).check()
+
+
+def send(page: Page, text: str) -> int:
+    """Send a chat message; returns how many answers the chat showed before it."""
+    answers = page.locator("#chat div.eagle-answer").count()
+    page.fill("#prompt textarea", text)
+    page.press("#prompt textarea", "Enter")
+    return answers
+
+
+def meter(page: Page) -> dict[str, str]:
+    """The meter's figures, from its data- attributes."""
+    return page.eval_on_selector(
+        "#meter .meter", "m => Object.fromEntries(Object.entries(m.dataset))"
+    )
+
+
+_ANSWERED = """n => document.querySelectorAll('#chat div.eagle-answer').length > n
+    && document.querySelector('#meter .meter').dataset.state === 'idle'"""
+
+
+def answered(page: Page, answers_before: int) -> bool:
+    """A new answer is in the chat and the meter says decoding is over (read in one go: the two change together)."""
+    return page.evaluate(_ANSWERED, answers_before)
+
+
+def wait_for_answer(page: Page, answers_before: int, timeout_s: float = 120) -> None:
+    page.wait_for_function(_ANSWERED, arg=answers_before, timeout=timeout_s * 1000)
+
+
+def last_answer_text(page: Page) -> str:
+    return page.locator("#chat div.eagle-answer").last.inner_text()

@@ -1,0 +1,197 @@
+"""The chat service and UI handlers on a tiny random model with the real tokenizer: streaming, Stop, bad input."""
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+from app.chat import ChatService, Settings
+from app.conversation import Conversation
+from app.ui import EMPTY_HINT, Handlers
+from conftest import random_head, tiny_base, tokens_of
+from engine import ContextTooLong, Engine
+from engine.models import load_tokenizer
+
+CONTEXT = 256  # the tiny model's context window, so over-long input is cheap to make
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    tokenizer = load_tokenizer()
+    model = tiny_base("llama-h64-l8-gqa", vocab=len(tokenizer))
+    model.config.max_position_embeddings = CONTEXT
+    return Engine(model, tokenizer, random_head(model, "eagle3"))
+
+
+@pytest.fixture
+def service(engine) -> ChatService:
+    return ChatService(engine)
+
+
+@pytest.fixture
+def handlers(service) -> Handlers:
+    return Handlers(service, max_new_tokens=64)
+
+
+def settings(**changes) -> list:
+    """The settings inputs in UI order: method, temperature, top-p, max new tokens, tree size, depth."""
+    values = {"method": "eagle", "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12, "total_tokens": 8, "depth": 3}
+    values.update(changes)
+    return list(values.values())
+
+
+def ask(handlers: Handlers, conversation: Conversation, text: str, **changes) -> list[tuple]:
+    _, conversation, _ = handlers.add_message(text, conversation)
+    return list(handlers.answer(conversation, True, *settings(**changes)))
+
+
+def test_stream_yields_one_update_per_round_with_every_token(engine, service):
+    ids = engine.encode_chat([{"role": "user", "content": "Hello there"}])
+    expected = list(engine.generate(ids, "eagle", max_new_tokens=16, total_tokens=8, depth=3))
+    updates = [(answer.ids[:], turn.rounds) for answer, turn in service.stream(ids, Settings("eagle", max_new_tokens=16, total_tokens=8, depth=3))]
+    assert len(updates) == len(expected) and service.rounds == len(expected)
+    assert [ids_ for ids_, _ in updates][-1] == tokens_of(expected)
+    assert [rounds for _, rounds in updates] == list(range(len(expected)))  # the prefill is round 0
+    answer, turn = list(service.stream(ids, Settings("eagle", max_new_tokens=16, total_tokens=8, depth=3)))[-1]
+    assert answer.drafted == [d for s in expected for d in s.drafted]
+    assert answer.text == engine.tokenizer.decode(answer.ids, skip_special_tokens=True)
+    assert turn.finish_reason in ("eos", "length")
+
+
+def test_closing_the_stream_stops_decoding_and_frees_the_engine(engine, service):
+    ids = engine.encode_chat([{"role": "user", "content": "Tell me a long story"}])
+    stream = service.stream(ids, Settings("vanilla", max_new_tokens=200))
+    for _ in range(3):
+        next(stream)
+    assert service.active == 1
+    stream.close()  # what Gradio does on Stop or a disconnect
+    assert service.active == 0 and service.rounds == 3
+    started = threading.Event()
+    worker = threading.Thread(target=lambda: (next(engine.generate(ids, "vanilla", max_new_tokens=1)), started.set()), daemon=True)
+    worker.start()
+    assert started.wait(30), "the engine is still locked after the stream was closed"
+
+
+def test_plain_decoding_turns_refresh_the_baseline(engine, service):
+    service.calibrate(tokens=10)
+    assert service.baseline.tokens == 10 and service.baseline.source == "start-up calibration"
+    ids = engine.encode_chat([{"role": "user", "content": "Hi"}])
+    list(service.stream(ids, Settings("eagle", max_new_tokens=12)))
+    assert service.baseline.tokens == 10  # EAGLE turns are not the baseline
+    *_, (_, turn) = service.stream(ids, Settings("vanilla", max_new_tokens=12))
+    assert service.baseline.tokens == 10 + turn.tokens and service.baseline.source == "plain-decoding turns"
+
+
+def test_old_turns_are_dropped_to_fit_and_an_over_long_message_is_refused(engine, service):
+    turn = "word " * 40
+    messages = [{"role": "system", "content": "Be brief."}]
+    for _ in range(3):
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": turn}]
+    messages.append({"role": "user", "content": "And now?"})
+    ids, dropped = service.fit(messages, max_new_tokens=32)
+    assert dropped > 0 and dropped % 2 == 0 and len(ids) + 32 <= CONTEXT
+    assert ids == engine.encode_chat(messages[:1] + messages[1 + dropped :])  # the system message stays
+    with pytest.raises(ContextTooLong, match=r"your message is \d+ tokens long; this model reads at most 256"):
+        service.fit([{"role": "user", "content": "word " * 400}], max_new_tokens=32)
+
+
+def test_a_chat_turn_streams_html_and_keeps_the_text_for_the_model(handlers):
+    conversation = Conversation()
+    updates = ask(handlers, conversation, "Hi <b>there</b>")
+    assert len(updates) > 1
+    conversation_out, shown, meter = updates[-1]
+    assert conversation_out is conversation and not conversation.busy
+    assert [m["role"] for m in shown] == ["user", "assistant"]
+    assert "&lt;b&gt;there&lt;/b&gt;" in shown[0]["content"]
+    assert 'class="base"' in shown[1]["content"] or 'class="drafted"' in shown[1]["content"]
+    assert 'data-state="idle"' in meter and 'data-rounds="' in meter
+    reply = conversation.messages()[-1]
+    assert reply["role"] == "assistant" and "<span" not in reply["content"]
+    assert "Stopped at the token limit" in shown[1]["content"] or conversation.turns[-1].meter.finish_reason == "eos"
+
+
+def test_empty_message_is_ignored_with_a_hint(handlers):
+    conversation = Conversation()
+    with pytest.warns(UserWarning, match=re.escape(EMPTY_HINT)):
+        text, conversation, shown = handlers.add_message("   \n ", conversation)
+    assert shown == [] and conversation.turns == []
+    assert list(handlers.answer(conversation, True, *settings()))[-1][1] == []  # nothing to answer
+
+
+def test_over_long_message_gets_a_clear_message_in_the_chat(handlers):
+    conversation = Conversation()
+    updates = ask(handlers, conversation, "word " * 400)
+    shown = updates[-1][1]
+    assert len(shown) == 2 and "tokens long" in shown[1]["content"] and "Traceback" not in shown[1]["content"]
+    assert conversation.messages() == []  # the refused message is not in the model's context
+    updates = ask(handlers, conversation, "Short question")  # the chat goes on
+    assert conversation.messages()[0]["content"] == "Short question" and conversation.messages()[-1]["role"] == "assistant"
+
+
+def test_bad_settings_and_failures_never_show_a_traceback(handlers, monkeypatch):
+    conversation = Conversation()
+    shown = ask(handlers, conversation, "Hello", total_tokens=1)[-1][1]
+    assert "total_tokens must be" in shown[-1]["content"] or "total_tokens" in shown[-1]["content"]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret internals")
+        yield
+
+    monkeypatch.setattr(handlers.service, "stream", broken)
+    shown = ask(handlers, conversation, "Hello again")[-1][1]
+    assert "Something went wrong" in shown[-1]["content"]
+    assert "secret internals" not in shown[-1]["content"] and "Traceback" not in shown[-1]["content"]
+    assert not conversation.busy
+
+
+def test_stop_keeps_the_partial_answer_and_says_so(handlers, service):
+    conversation = Conversation()
+    handlers.add_message("Tell me a story", conversation)
+    updates = handlers.answer(conversation, True, *settings(max_new_tokens=64, method="vanilla"))
+    for _ in range(3):
+        next(updates)
+    updates.close()  # Gradio closes the generator when Stop cancels the event
+    assert not conversation.busy and service.active == 0
+    _, shown, meter = handlers.after_stop(conversation)
+    assert "Stopped after 3 tokens." in shown[-1]["content"]
+    assert 'data-state="idle"' in meter and "stopped" in meter
+    assert conversation.messages()[-1]["role"] == "assistant"  # the partial answer stays in the history
+
+
+def test_regenerate_answers_the_last_message_again(handlers):
+    conversation = Conversation()
+    ask(handlers, conversation, "Name a colour")
+    first = conversation.messages()[-1]["content"]
+    handlers.regenerate(conversation)
+    assert conversation.waiting
+    list(handlers.answer(conversation, True, *settings()))
+    assert len(conversation.messages()) == 2 and conversation.messages()[-1]["content"] == first  # greedy: same
+
+
+def test_provenance_can_be_switched_off_for_the_whole_chat(handlers):
+    conversation = Conversation()
+    ask(handlers, conversation, "Hello")
+    assert "<span" not in handlers.rerender(conversation, False)[1]["content"]
+    assert "<span" in handlers.rerender(conversation, True)[1]["content"]
+
+
+def test_side_by_side_reports_identical_greedy_outputs(handlers):
+    updates = list(handlers.compare("Compare me", True, 16, 8, 3))
+    plain, eagle, verdict, _ = updates[-1]
+    assert 'data-verdict="identical"' in verdict and "Identical" in verdict
+    assert re.sub(r'<span class="\w+"', "", plain) == re.sub(r'<span class="\w+"', "", eagle)
+
+
+def test_two_sessions_at_once_each_get_their_own_answer(handlers, engine):
+    prompts = ["First question", "A different second question"]
+    alone = [engine.chat_text([{"role": "user", "content": p}], "eagle", max_new_tokens=12, total_tokens=8, depth=3) for p in prompts]
+    conversations = [Conversation(), Conversation()]
+    threads = [threading.Thread(target=ask, args=(handlers, c, p)) for c, p in zip(conversations, prompts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for conversation, prompt, expected in zip(conversations, prompts, alone):
+        messages = conversation.messages()
+        assert [m["content"] for m in messages] == [prompt, expected]

@@ -1,0 +1,122 @@
+"""The real default app (`python app.py`: embedded SmolLM2 + the shipped EAGLE-3 head) in headless Chromium."""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install -r requirements-dev.txt")
+from scripts.browser import (  # noqa: E402
+    CHROMIUM, answered, choose_method, last_answer_text, launch_chromium, meter, open_app, send, set_number, start_app,
+    stop_app, wait_for_answer,
+)
+
+from app.ui import EMPTY_HINT  # noqa: E402
+from engine.draft.checkpoint import DEFAULT_HEAD  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} missing: apt-get install chromium")
+SHORT = 16  # tokens per answer, to keep the test quick
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    assert DEFAULT_HEAD.is_dir(), f"the shipped head {DEFAULT_HEAD} is missing: the default app has no EAGLE"
+    process, url = start_app("--max-new-tokens", "256", log=tmp_path_factory.mktemp("app") / "app.log")
+    yield url
+    stop_app(process)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as playwright:
+        browser = launch_chromium(playwright)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, app_url):
+    page = open_app(browser, app_url)
+    yield page
+    assert "Traceback" not in page.content()
+    page.context.close()
+
+
+def engine_status(page) -> dict[str, int]:
+    """Rounds decoded since start-up and turns in progress, as the server reports them (refreshed every second)."""
+    data = page.eval_on_selector("#engine-status .engine-status", "s => ({...s.dataset})")
+    return {key: int(value) for key, value in data.items()}
+
+
+def test_answer_streams_with_drafted_tokens_and_the_meter_shows_speed(page):
+    set_number(page, "max-new-tokens", SHORT)
+    before = send(page, "Write a short poem about the sea.")
+    rounds_seen = set()
+    deadline = time.monotonic() + 120
+    while not answered(page, before) and time.monotonic() < deadline:
+        rounds_seen.add(int(meter(page)["rounds"]))
+        time.sleep(0.05)
+    wait_for_answer(page, before, timeout_s=1)
+    assert len(rounds_seen - {0}) >= 2, f"the meter did not update round by round: {rounds_seen}"
+    assert page.locator("#chat div.eagle-answer span.drafted").count() > 0
+    assert page.locator("#chat div.eagle-answer span.base").count() > 0
+    figures = meter(page)
+    assert figures["method"] == "eagle" and float(figures["tps"]) > 0 and float(figures["speedup"]) > 0
+    assert float(figures["tau"]) > 1, "no draft was accepted"
+    shown = page.locator("#meter").inner_text()
+    assert re.search(r"\d+\.\d\s*tokens/s", shown) and re.search(r"\d+\.\d\d×\s*speedup", shown), shown
+    assert "<span" not in last_answer_text(page)  # markup is rendered, not shown as text
+
+
+def test_stop_ends_decoding_on_the_server(page):
+    choose_method(page, "Plain decoding")  # one token per round: a long, steady answer
+    send(page, "Write a long story about a dragon who learns to cook.")
+    page.wait_for_function("() => Number(document.querySelector('#meter .meter').dataset.rounds) >= 3", timeout=120_000)
+    page.wait_for_function(  # the server, not only the page, says it is decoding
+        "() => document.querySelector('#engine-status .engine-status').dataset.active === '1'", timeout=30_000
+    )
+    page.click("#stop")
+    page.wait_for_function(
+        "() => document.querySelector('#engine-status .engine-status').dataset.active === '0'", timeout=60_000
+    )
+    stopped_at = engine_status(page)["rounds"]
+    time.sleep(3)  # three status refreshes
+    assert engine_status(page)["rounds"] == stopped_at, "the engine kept decoding after Stop"
+    page.wait_for_selector("#chat >> text=/Stopped after \\d+ tokens/", timeout=30_000)
+    assert int(meter(page)["rounds"]) < 200 and meter(page)["state"] == "idle"
+
+
+def test_two_sessions_at_once_each_get_their_own_answer(browser, app_url):
+    questions = {"What is the capital of France?": "Paris", "What is the capital of Japan?": "Tokyo"}
+    pages = [open_app(browser, app_url) for _ in questions]
+    for page in pages:
+        set_number(page, "max-new-tokens", SHORT)
+    befores = [send(page, question) for page, question in zip(pages, questions)]
+    for page, before, (question, answer) in zip(pages, befores, questions.items()):
+        wait_for_answer(page, before, timeout_s=180)
+        messages = page.locator("#chat div.eagle-msg").all_inner_texts()
+        assert messages[0].strip() == question and len(page.locator("#chat div.eagle-user").all()) == 1
+        assert answer in last_answer_text(page), (question, last_answer_text(page))
+        page.context.close()
+
+
+def test_bad_input_gets_a_clear_message_and_no_traceback(page):
+    page.press("#prompt textarea", "Enter")  # empty
+    page.wait_for_selector(f"text={EMPTY_HINT}", timeout=30_000)
+    assert page.locator("#chat div.eagle-msg").count() == 0
+    page.fill("#prompt textarea", "lorem ipsum " * 5000)  # ~10k tokens, over the 8192-token context
+    page.press("#prompt textarea", "Enter")
+    notice = page.wait_for_selector("#chat div.eagle-notice", timeout=60_000)
+    assert "tokens long" in notice.inner_text()
+
+
+def test_side_by_side_shows_identical_outputs(page):
+    set_number(page, "max-new-tokens", SHORT)
+    page.get_by_role("tab", name="Side by side").click()
+    page.fill("#compare-prompt textarea", "Give me three tips for learning a new language.")
+    page.click("#compare")
+    verdict = page.wait_for_selector("#verdict .verdict[data-verdict=identical], #verdict .verdict[data-verdict=different]", timeout=180_000)
+    assert verdict.get_attribute("data-verdict") == "identical", verdict.inner_text()
+    assert page.locator("#eagle-answer span.drafted").count() > 0
