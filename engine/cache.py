@@ -11,13 +11,19 @@ def keep_path(cache: Cache, prefix_len: int, path: torch.Tensor) -> None:
     The tree was appended at prefix_len; gathering the accepted nodes into place avoids re-running the prefix.
     """
     keep = path.to(torch.long) + prefix_len
+    on_device: dict[torch.device, torch.Tensor] = {}
     for layer in cache.layers:
-        layer.keys = torch.cat([layer.keys[..., :prefix_len, :], layer.keys[..., keep, :]], dim=-2)
-        layer.values = torch.cat([layer.values[..., :prefix_len, :], layer.values[..., keep, :]], dim=-2)
+        device = layer.keys.device
+        if device not in on_device:
+            on_device[device] = keep.to(device, non_blocking=True)
+        index = on_device[device]
+        layer.keys = torch.cat([layer.keys[..., :prefix_len, :], layer.keys[..., index, :]], dim=-2)
+        layer.values = torch.cat([layer.values[..., :prefix_len, :], layer.values[..., index, :]], dim=-2)
+
 
 
 def truncate(cache: Cache, length: int) -> None:
-    """Drop every position from `length` on."""
+    """Drop every position from `length` on (to reuse one prefix across measurements)."""
     for layer in cache.layers:
         layer.keys = layer.keys[..., :length, :]
         layer.values = layer.values[..., :length, :]

@@ -132,14 +132,17 @@ def decode(
             visible = torch.cat([torch.ones(len(tree), committed, dtype=torch.bool), tree.ancestor_mask()], dim=1)
             hidden, features = target.forward(tree.tokens, cache, committed + tree.depths, visible)
             logits = target.logits(hidden)
+            if logits.is_cuda:  # acceptance waits for the GPU anyway; waiting here makes verify_s its real time
+                torch.cuda.synchronize(logits.device)
             verify_done = time.perf_counter()
             if sampling.greedy:
                 path, bonus = accept_greedy(tree, logits)
             else:
                 path, bonus = accept_sampling(tree, logits, sampling, generator)
-            keep_path(cache, committed, torch.tensor(path))
+            path_index = torch.tensor(path)
+            keep_path(cache, committed, path_index)
             accepted = tree.tokens[path[1:]].tolist()
-            pending = (features[path], torch.tensor(accepted + [bonus]))
+            pending = (features[path_index.to(features.device, non_blocking=True)], torch.tensor(accepted + [bonus]))
             root = bonus
             step = Step(
                 accepted + [bonus], [True] * len(accepted) + [False],

@@ -53,14 +53,14 @@ class Target:
         positions [T] default to consecutive ones after the cache; mask is a bool [T, cache+T] visibility matrix
         (None: causal). Returns final-norm hidden states [T, H] and head features [T, F].
         """
-        ids = input_ids.view(1, -1).to(self.device)
+        ids = input_ids.view(1, -1).to(self.device, non_blocking=True)
         if mask is not None:
             bias = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device)
-            bias.masked_fill_(~mask.to(self.device), torch.finfo(bias.dtype).min)
+            bias.masked_fill_(~mask.to(self.device, non_blocking=True), torch.finfo(bias.dtype).min)
             mask = bias[None, None]
         out = self.body(
             input_ids=ids,
-            position_ids=None if positions is None else positions.view(1, -1).to(self.device),
+            position_ids=None if positions is None else positions.view(1, -1).to(self.device, non_blocking=True),
             attention_mask=mask,
             past_key_values=cache,
             use_cache=True,
@@ -68,7 +68,8 @@ class Target:
         hidden = out.last_hidden_state[0]
         if not self.feature_layers:
             return hidden, hidden
-        features = torch.cat([self._captured.pop(i)[0] for i in self.feature_layers], dim=-1)
+        # With --device auto the captured layers may sit on different GPUs: gather them beside the LM head.
+        features = torch.cat([self._captured.pop(i)[0].to(hidden.device) for i in self.feature_layers], dim=-1)
         return hidden, features
 
     @torch.inference_mode()

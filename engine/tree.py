@@ -64,18 +64,19 @@ class Expander(Protocol):
 class _FedNodes:
     """Tracks which tree nodes went through the head, so each new node sees exactly its fed ancestors."""
 
-    def __init__(self, expander: Expander):
+    def __init__(self, expander: Expander, device: torch.device):
         self.expander = expander
-        self.rows = torch.zeros(0, 0, dtype=torch.bool)
+        self.rows = torch.zeros(0, 0, dtype=torch.bool, device=device)
 
     def feed(self, hidden: torch.Tensor, tokens: torch.Tensor, parent_rows: torch.Tensor, level: int):
         """parent_rows: index into earlier fed nodes for each new node, -1 when its parent is the root."""
-        n, b = self.rows.shape[0], len(tokens)
-        inherited = torch.zeros(b, n, dtype=torch.bool)
-        has_parent = parent_rows >= 0
-        inherited[has_parent] = self.rows[parent_rows[has_parent]]
-        new_rows = torch.cat([inherited, torch.eye(b, dtype=torch.bool)], dim=1)
-        self.rows = torch.cat([torch.cat([self.rows, torch.zeros(n, b, dtype=torch.bool)], 1), new_rows], 0)
+        n, b, device = self.rows.shape[0], len(tokens), self.rows.device
+        parent_rows = parent_rows.to(device, non_blocking=True)
+        # Rows of a root child inherit nothing: gather from a zero row appended below the fed rows (no host sync).
+        padded = torch.cat([self.rows, torch.zeros(1, n, dtype=torch.bool, device=device)], 0)
+        inherited = padded[torch.where(parent_rows >= 0, parent_rows, n)]
+        new_rows = torch.cat([inherited, torch.eye(b, dtype=torch.bool, device=device)], dim=1)
+        self.rows = torch.cat([torch.cat([self.rows, torch.zeros(n, b, dtype=torch.bool, device=device)], 1), new_rows], 0)
         return self.expander.expand(hidden, tokens, level, new_rows)
 
 
@@ -84,18 +85,19 @@ def grow_dynamic(
 ) -> DraftTree:
     """EAGLE-2: expand the top_k best nodes by cumulative draft log-prob for `depth` steps, keep the best
     total_tokens - 1 candidates. Scores never grow along a path, so a kept node's parent is always kept."""
+    device = root_hidden.device
     logp = expander.log_probs(root_hidden[None])[0]
     scores, ids = logp.topk(top_k)
     all_tokens, all_scores = [expander.to_target(ids)], [scores]
-    all_parents = [torch.zeros(top_k, dtype=torch.long)]  # candidate numbers; 0 = root, candidates from 1
-    frontier = torch.arange(1, top_k + 1)
-    frontier_parent_rows = torch.full((top_k,), -1)
+    all_parents = [torch.zeros(top_k, dtype=torch.long, device=device)]  # candidate numbers; 0 = root
+    frontier = torch.arange(1, top_k + 1, device=device)
+    frontier_parent_rows = torch.full((top_k,), -1, device=device)
     hidden, tokens = root_hidden.expand(top_k, -1), all_tokens[0]
-    fed = _FedNodes(expander)
+    fed = _FedNodes(expander, device)
     next_number = top_k + 1
     for level in range(depth):
         out = fed.feed(hidden, tokens, frontier_parent_rows, level)
-        fed_rows = torch.arange(fed.rows.shape[0] - top_k, fed.rows.shape[0])
+        fed_rows = torch.arange(fed.rows.shape[0] - top_k, fed.rows.shape[0], device=device)
         child_scores, child_ids = expander.log_probs(out).topk(top_k, dim=-1)
         cum = (scores[:, None] + child_scores).flatten()
         child_tokens = expander.to_target(child_ids).flatten()
@@ -111,15 +113,13 @@ def grow_dynamic(
     flat_scores = torch.cat(all_scores)
     keep = min(total_tokens - 1, len(flat_scores))
     order = torch.sort(-flat_scores, stable=True).indices[:keep].sort().values
-    number_to_node = torch.full((len(flat_scores) + 1,), -1, dtype=torch.long)
+    number_to_node = torch.full((len(flat_scores) + 1,), -1, dtype=torch.long, device=device)
     number_to_node[0] = 0
-    number_to_node[order + 1] = torch.arange(1, keep + 1)
+    number_to_node[order + 1] = torch.arange(1, keep + 1, device=device)
     parents = number_to_node[torch.cat(all_parents)[order]]
+    tokens, parents = torch.cat(all_tokens)[order].cpu(), parents.cpu()  # the round's one sync while drafting
     assert (parents >= 0).all(), "a kept draft node lost its parent"
-    return DraftTree(
-        tokens=torch.cat([torch.tensor([root]), torch.cat(all_tokens)[order]]),
-        parents=torch.cat([torch.tensor([-1]), parents]),
-    )
+    return DraftTree(tokens=torch.cat([torch.tensor([root]), tokens]), parents=torch.cat([torch.tensor([-1]), parents]))
 
 
 def grow_static(expander: Expander, root: int, root_hidden: torch.Tensor, paths: list[list[int]]) -> DraftTree:
@@ -133,7 +133,7 @@ def grow_static(expander: Expander, root: int, root_hidden: torch.Tensor, paths:
     expanded = {p[:-1] for p in paths}  # nodes with children, as paths
     hidden_of: dict[tuple, torch.Tensor] = {(): root_hidden}
     fed_row: dict[tuple, int] = {}
-    fed = _FedNodes(expander)
+    fed = _FedNodes(expander, root_hidden.device)
 
     def children_of(parents: list[tuple], outs: torch.Tensor) -> None:
         wanted = max(p[-1] for p in paths if p[:-1] in parents) + 1

@@ -44,7 +44,8 @@ class Drafter:
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
         mask = torch.cat([torch.ones(t, n, dtype=torch.bool, device=self.device), causal], dim=1)
         out, new_kv = self.head(
-            features[None].to(self.device), next_tokens[None].to(self.device), positions, self.cache, mask[None, None],
+            features[None].to(self.device), next_tokens[None].to(self.device, non_blocking=True), positions, self.cache,
+            mask[None, None],
             from_target=True,
         )
         self.cache = _concat(self.cache, new_kv)
@@ -61,14 +62,16 @@ class Drafter:
     def expand(self, hidden: torch.Tensor, tokens: torch.Tensor, level: int, visible: torch.Tensor) -> torch.Tensor:
         n, b = self.length, len(tokens)
         positions = torch.full((b,), n + level, device=self.device)
-        mask = torch.cat([torch.ones(b, n, dtype=torch.bool), visible], dim=1).to(self.device)
+        visible = visible.to(self.device, non_blocking=True)
+        mask = torch.cat([torch.ones(b, n, dtype=torch.bool, device=self.device), visible], dim=1)
         past = _concat(self.cache, self._tree_kv)
-        out, new_kv = self.head(hidden[None], tokens[None].to(self.device), positions, past, mask[None, None], from_target=False)
+        tokens = tokens.to(self.device, non_blocking=True)
+        out, new_kv = self.head(hidden[None], tokens[None], positions, past, mask[None, None], from_target=False)
         self._tree_kv = _concat(self._tree_kv, new_kv)
         return out[0]
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.head.logits(hidden).float(), dim=-1).cpu()
+        return torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.head.to_target(draft_ids.to(self.device)).cpu()
+        return self.head.to_target(draft_ids.to(self.device, non_blocking=True))
