@@ -39,6 +39,7 @@ METHODS = ("vanilla", "eagle", "hf", "hf-pld")
 ENGINE_METHODS = ("vanilla", "eagle")
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
+COLORS = {"vanilla": "#7f7f7f", "eagle": "#d62728", "hf": "#1f77b4", "hf-pld": "#2ca02c"}
 SHARED_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "mt_bench.jsonl"
 
 
@@ -129,6 +130,8 @@ def run_hf(engine: Engine, prompt: list[int], params: dict, lookup: bool) -> Run
     with count_forwards(model.get_decoder()) as calls, torch.inference_mode():
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        if out.is_cuda:  # kernels may still be queued; the engine's Steps hold Python ints, so they are done
+            torch.cuda.synchronize(out.device)
         wall = time.perf_counter() - start
     tokens = out[0, len(prompt):].tolist()[: params["max_new_tokens"]]
     stop = next((i for i, tok in enumerate(tokens) if tok in engine.stop_ids), None)
@@ -199,7 +202,7 @@ def plot(summary: dict, out: str | Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     for ax, key, label in zip(axes, ("tokens_per_s", "tau"), ("tokens / s", "τ (new tokens per base forward)")):
         values = [summary[m][key] or 0.0 for m in methods]
-        bars = ax.bar(methods, values, color=["#7f7f7f", "#d62728", "#1f77b4", "#2ca02c"][: len(methods)])
+        bars = ax.bar(methods, values, color=[COLORS[m] for m in methods])
         ax.bar_label(bars, fmt="%.2f")
         ax.set_ylabel(label)
         ax.margins(y=0.15)
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     baseline = runs.get("vanilla")
     summary = {m: summarize(runs[m], baseline) for m in methods}
-    date = datetime.now().astimezone().isoformat(timespec="seconds")
+    date = datetime.now().astimezone().isoformat(sep=" ", timespec="minutes")
     report = {
         "config": {
             "base": args.base or "embedded SmolLM2-135M-Instruct", "head": head_name,
