@@ -1,0 +1,54 @@
+"""app.py's command line: options, their checks, and clear errors instead of tracebacks."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def main_module():
+    """app.py itself (the name `app` belongs to the package beside it)."""
+    spec = importlib.util.spec_from_file_location("app_main", ROOT / "app.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_defaults_leave_host_and_port_to_gradio_and_spaces(main_module):
+    args = main_module.parse_args([])
+    assert (args.base, args.head, args.device, args.host, args.port, args.share, args.auth) == (
+        None, "default", "auto", None, None, False, None
+    )
+    assert args.max_new_tokens == 256 and args.quantization == "none"
+
+
+def test_options(main_module):
+    args = main_module.parse_args(
+        ["--head", "none", "--share", "--auth", "ann:pa:ss", "--port", "7999", "--host", "0.0.0.0", "--max-new-tokens", "32"]
+    )
+    assert args.auth == ("ann", "pa:ss") and args.share and args.port == 7999 and args.max_new_tokens == 32
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--auth", "nopassword"], "--auth takes user:password"),
+    (["--auth", ":secret"], "--auth takes user:password"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--quantization", "3bit"], "invalid choice"),
+])
+def test_bad_options_are_refused_clearly(main_module, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        main_module.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_load_error_stops_the_app_with_one_clear_line(main_module, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise main_module.CheckpointError("head /x does not fit base model y")
+
+    monkeypatch.setattr(main_module.Engine, "load", refuse)
+    with pytest.raises(SystemExit, match=r"^app.py: error: head /x does not fit base model y$"):
+        main_module.main(["--head", "/x"])
