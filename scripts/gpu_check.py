@@ -148,7 +148,7 @@ def embedded_exactness(s: Settings) -> list[dict]:
     questions = bench.load_questions(bench.SHARED_QUESTIONS, s.embedded_prompts)
     rows = []
     for dtype in s.embedded_dtypes:
-        engine = Engine.load(device=s.device, dtype=dtype)
+        engine = Engine.load(head=DEFAULT_HEAD, device=s.device, dtype=dtype)
         for q in questions:
             prompt = engine.encode_chat([{"role": "user", "content": q["turns"][0]}])
             rows.append(guarded(f"embedded {dtype} q{q['question_id']}",
