@@ -14,6 +14,11 @@ tau = new tokens per decoding forward of the base model. The prefill forward and
 out, so tau = (tokens - 1) / (forwards - 1), summed over questions: plain decoding gives exactly 1.0, and a
 speculative method's tau is its mean accepted length (accepted drafts + the base model's own token per round).
 Per-round times (draft, verify, other) are means over decoding rounds, prefill excluded.
+
+--json writes config, summary.<method> = {tokens, wall_s, tokens_per_s, tau, rounds, draft_ms, verify_ms,
+other_ms, accepted_per_round, matches_vanilla, speedup_vs_vanilla} and questions[i] = {question_id, category,
+prompt_tokens, results.<method> = {token_ids, wall_s, target_forwards}}. At temperature 0 every method must
+reproduce vanilla's tokens exactly; a WARNING line says which did not.
 """
 from __future__ import annotations
 
@@ -154,13 +159,13 @@ def summarize(runs: list[Run], baseline: list[Run] | None) -> dict:
     wall = sum(r.wall_s for r in runs)
     decoded = sum(len(r.token_ids) - 1 for r in runs)
     decode_forwards = sum(r.target_forwards - 1 for r in runs)
-    rounds = [step for r in runs for step in r.steps[1:]]
+    rounds = [step for r in runs for step in r.steps[1:]]  # engine methods only
     return {
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall if wall else None,
         "tau": decoded / decode_forwards if decode_forwards else None,
-        "rounds": len(rounds),
+        "rounds": decode_forwards,
         "draft_ms": _mean_ms([s.draft_s for s in rounds]),
         "verify_ms": _mean_ms([s.verify_s for s in rounds]),
         "other_ms": _mean_ms([s.wall_s - s.draft_s - s.verify_s for s in rounds]),
@@ -171,19 +176,35 @@ def summarize(runs: list[Run], baseline: list[Run] | None) -> dict:
     }
 
 
+def exactness_warnings(summary: dict, questions: int) -> list[str]:
+    """Greedy decoding is lossless only if every method reproduces vanilla's tokens on every question."""
+    return [
+        f"WARNING: {method} matched vanilla's greedy tokens on only {s['matches_vanilla']}/{questions} questions "
+        "(expected all at temperature 0)"
+        for method, s in summary.items()
+        if s["matches_vanilla"] is not None and s["matches_vanilla"] != questions
+    ]
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_table(summary: dict, questions: int, file=sys.stdout) -> None:
+def add_speedups(summary: dict) -> None:
+    """tokens/s of each method over vanilla's, where vanilla ran."""
     vanilla = summary.get("vanilla", {}).get("tokens_per_s")
+    for s in summary.values():
+        s["speedup_vs_vanilla"] = s["tokens_per_s"] / vanilla if vanilla and s["tokens_per_s"] else None
+
+
+def print_table(summary: dict, questions: int, file=sys.stdout) -> None:
     rows = [("method", "tokens", "wall s", "tok/s", "x vanilla", "tau", "acc/round",
              "draft ms", "verify ms", "other ms", "= vanilla")]
     for method, s in summary.items():
-        speedup = s["tokens_per_s"] / vanilla if vanilla and s["tokens_per_s"] else None
         match = "-" if s["matches_vanilla"] is None else f"{s['matches_vanilla']}/{questions}"
         rows.append((method, str(s["tokens"]), _fmt(s["wall_s"], ".2f"), _fmt(s["tokens_per_s"], ".2f"),
-                     _fmt(speedup, ".2f"), _fmt(s["tau"], ".2f"), _fmt(s["accepted_per_round"], ".2f"),
+                     _fmt(s.get("speedup_vs_vanilla"), ".2f"), _fmt(s["tau"], ".2f"),
+                     _fmt(s["accepted_per_round"], ".2f"),
                      _fmt(s["draft_ms"], ".1f"), _fmt(s["verify_ms"], ".1f"), _fmt(s["other_ms"], ".1f"), match))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -288,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     baseline = runs.get("vanilla")
     summary = {m: summarize(runs[m], baseline) for m in methods}
+    add_speedups(summary)
     date = datetime.now().astimezone().isoformat(sep=" ", timespec="minutes")
     report = {
         "config": {
@@ -311,11 +333,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
 
     print_table(summary, len(questions))
-    if baseline is not None and args.temperature == 0:
-        for method, s in summary.items():
-            if s["matches_vanilla"] != len(questions):
-                print(f"WARNING: {method} matched vanilla's greedy tokens on only {s['matches_vanilla']}/"
-                      f"{len(questions)} questions (expected all at temperature 0)")
+    if args.temperature == 0:
+        for line in exactness_warnings(summary, len(questions)):
+            print(line)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.bench import METHODS, main
+from engine.bench import METHODS, exactness_warnings, main
 from engine.draft.checkpoint import new_head, save_head
 from engine.models import load_tokenizer
 
@@ -58,7 +58,7 @@ def test_json_schema_and_tau(assets, report):
         for method in METHODS:
             result = q["results"][method]
             assert 1 <= len(result["token_ids"]) <= MAX_NEW and result["wall_s"] > 0 and result["target_forwards"] >= 1
-    assert saved["summary"]["vanilla"]["tau"] == 1.0
+    assert saved["summary"]["vanilla"]["tau"] == 1.0 and saved["summary"]["vanilla"]["speedup_vs_vanilla"] == 1.0
     assert saved["summary"]["hf"]["tau"] == 1.0  # plain generate: one forward per token, counted by the hook
     assert saved["summary"]["eagle"]["tau"] >= 1.0
     assert saved["summary"]["eagle"]["draft_ms"] > 0 and saved["summary"]["hf"]["draft_ms"] is None
@@ -70,6 +70,13 @@ def test_greedy_methods_equal_vanilla(report):
         for method in ("eagle", "hf", "hf-pld"):
             assert q["results"][method]["token_ids"] == vanilla, (q["question_id"], method)
     assert all(s["matches_vanilla"] == len(QUESTIONS) for s in report["summary"].values())
+
+
+def test_mismatch_is_warned():
+    summary = {"vanilla": {"matches_vanilla": 3}, "eagle": {"matches_vanilla": 2}, "hf": {"matches_vanilla": None}}
+    assert exactness_warnings(summary, 3) == [
+        "WARNING: eagle matched vanilla's greedy tokens on only 2/3 questions (expected all at temperature 0)"
+    ]
 
 
 def test_plot_is_png(assets, report):
