@@ -28,16 +28,20 @@ def parse_auth(value: str) -> tuple[str, str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", help="base model: a hub id, a local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--head", default="default", help='EAGLE head folder or hub id; "default" = the shipped head for the default base, "none" = plain decoding only')
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (every GPU, else the CPU)")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    parser.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS), help="bitsandbytes weights for Hugging Face checkpoints")
-    parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
-    parser.add_argument("--port", type=int, default=None, help="port (default 7860, or the next free one)")
-    parser.add_argument("--share", action="store_true", help="also serve through a temporary public gradio.live link")
-    parser.add_argument("--auth", type=parse_auth, help="user:password required to open the app (recommended with --share)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="longest answer a user may ask for (the settings slider's maximum)")
+    add = parser.add_argument
+    add("--base", help="base model: hub id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    add("--head", default="default",
+        help='EAGLE head folder or hub id; "default": the shipped head of the default base; "none": plain decoding')
+    add("--device", default="auto", help="cpu, cuda, cuda:N, or auto (every GPU, else the CPU)")
+    add("--dtype", default="float32", choices=list(DTYPES))
+    add("--quantization", default="none", choices=list(QUANTIZATIONS),
+        help="bitsandbytes weights, for Hugging Face checkpoints")
+    add("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    add("--port", type=int, help="port (default 7860, or the next free one)")
+    add("--share", action="store_true", help="also serve through a temporary public gradio.live link")
+    add("--auth", type=parse_auth, help="user:password required to open the app (recommended with --share)")
+    add("--max-new-tokens", type=int, default=256,
+        help="longest answer a user may ask for (the settings slider's maximum)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be at least 1")

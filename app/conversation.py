@@ -21,7 +21,9 @@ class Turn:
 
 
 def user_turn(text: str) -> Turn:
-    shown = text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + f"\n\n… ({len(text) - SHOWN_CHARS} more characters)"
+    shown = text
+    if len(text) > SHOWN_CHARS:
+        shown = text[:SHOWN_CHARS] + f"\n\n… ({len(text) - SHOWN_CHARS} more characters)"
     return Turn("user", text, render_markdown(shown))
 
 

@@ -140,7 +140,8 @@ def meter_html(turn: TurnMeter | None, baseline: Baseline, running: bool = False
     title = "Speedup meter" if turn is None else f"{METHOD_NAMES[turn.method]} · {_progress(turn, running)}"
     chart = _chart(turn.per_round if turn else [])
     return (
-        f'<div class="meter" data-state="{state}" {attributes}><div class="meter-title">{title}</div><div class="meter-stats">{cells}</div>{chart}'
+        f'<div class="meter" data-state="{state}" {attributes}><div class="meter-title">{title}</div>'
+        f'<div class="meter-stats">{cells}</div>{chart}'
         f'<div class="meter-note">{note}</div></div>'
     )
 

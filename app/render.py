@@ -107,7 +107,7 @@ class _Provenance:
             position = self.source.find(char, self.cursor)
             if position >= 0:
                 self.cursor = position + 1
-            owner = self.owner[min(self.cursor, len(self.owner)) - 1] if self.owner and self.cursor else 0
+            owner = self.owner[self.cursor - 1] if self.cursor else 0  # unmatched: the last token seen
             if owner != run_owner and run:
                 out.append(self._span(run_owner, "".join(run)))
                 run = []
@@ -147,7 +147,8 @@ def _markdown() -> MarkdownIt:
     """CommonMark with tables and strikethrough; raw HTML, entities and images off (no remote fetches)."""
     md = MarkdownIt("commonmark", {"html": False, "breaks": True})
     md.enable(["table", "strikethrough"]).disable(["entity", "image"])
-    for rule, function in (("text", _text), ("code_inline", _code_inline), ("fence", _code_block), ("code_block", _code_block)):
+    rules = {"text": _text, "code_inline": _code_inline, "fence": _code_block, "code_block": _code_block}
+    for rule, function in rules.items():
         md.add_render_rule(rule, function)
     return md
 

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import gradio as gr
-
-from engine import ContextTooLong
 
 from .chat import ChatService, Settings
 from .conversation import Conversation, Turn, note_turn, user_turn
@@ -25,12 +24,15 @@ LEGEND = (
     '<div class="legend"><span class="drafted">drafted by EAGLE and accepted</span>'
     '<span class="base">produced by the base model itself</span></div>'
 )
-FINISH_NOTES = {"eos": "", "length": "Stopped at the token limit (see Settings).", "context": "Stopped: the context window is full."}
+FINISH_NOTES = {
+    "length": "Stopped at the token limit (see Settings).", "context": "Stopped: the context window is full."
+}
+NO_HEAD = "⚠ No draft head is loaded, so there is no EAGLE answer to compare (start the app with --head)."
 
 
 def _problem(err: Exception) -> str:
     """What a user is told when a turn fails; the traceback goes to the server log only."""
-    if isinstance(err, (ContextTooLong, ValueError)):
+    if isinstance(err, ValueError):  # the engine's own checks (ContextTooLong among them): clear, meant for users
         return f"⚠ {str(err)[:1].upper()}{str(err)[1:]}."
     log.exception("generation failed")
     return f"⚠ Something went wrong while answering ({type(err).__name__}); the server log has the details."
@@ -43,7 +45,10 @@ class Handlers:
         self.service = service
         self.max_new_tokens = max_new_tokens
 
-    def settings(self, method: str, temperature: float, top_p: float, max_new_tokens: int, total_tokens: int, depth: int) -> Settings:
+    def settings(
+        self, method: str, temperature: float, top_p: float, max_new_tokens: int, total_tokens: int, depth: int
+    ) -> Settings:
+        """The settings inputs as Settings, the answer length capped at the app's --max-new-tokens."""
         return Settings(
             method=method, temperature=float(temperature), top_p=float(top_p),
             max_new_tokens=max(1, min(int(max_new_tokens), self.max_new_tokens)),
@@ -128,34 +133,30 @@ class Handlers:
         return status_html(self.service.rounds, self.service.active)
 
     # Side-by-side tab ---------------------------------------------------------------------------------------
-    def compare(self, text: str, provenance: bool, *settings) -> Iterator[tuple[str, str, str, str]]:
-        """Answer one prompt with plain decoding, then with EAGLE, both greedy, and say if the outputs match."""
-        panes = {"vanilla": "", "eagle": ""}
-
-        def update(verdict: str, meter=gr.skip()):
-            return panes["vanilla"], panes["eagle"], verdict, meter
-
+    def compare(self, text: str, provenance: bool, max_new_tokens: int, total_tokens: int, depth: int) -> Iterator:
+        """Answer one prompt greedily with plain decoding, then with EAGLE, and say whether the outputs match."""
+        panes, finished = {"vanilla": "", "eagle": ""}, {}
         if not (text or "").strip():
             gr.Warning(EMPTY_HINT)
-            yield update("")
+            yield "", "", "", gr.skip()
             return
         if "eagle" not in self.service.methods:
-            yield update(_verdict("⚠ No draft head is loaded, so there is no EAGLE answer to compare (start with --head)."))
+            yield "", "", _verdict(NO_HEAD), gr.skip()
             return
-        results = {}
+        baseline = self.service.baseline
         try:
-            chosen = self.settings("eagle", 0.0, 1.0, *settings)
-            ids, _ = self.service.fit([{"role": "user", "content": text}], chosen.max_new_tokens)
+            greedy = self.settings("eagle", 0.0, 1.0, max_new_tokens, total_tokens, depth)
+            ids, _ = self.service.fit([{"role": "user", "content": text}], greedy.max_new_tokens)
             for method in ("vanilla", "eagle"):
-                run = Settings(method, 0.0, 1.0, chosen.max_new_tokens, chosen.total_tokens, chosen.depth)
-                for answer, turn in self.service.stream(ids, run):
-                    panes[method] = render_answer(answer, provenance)
-                    results[method] = (answer, turn)
-                    yield update(_verdict(f"{METHOD_NAMES[method]} is answering…"), meter_html(turn, self.service.baseline, True))
-        except Exception as err:
-            yield update(_verdict(_problem(err)))
+                for answer, turn in self.service.stream(ids, replace(greedy, method=method)):
+                    panes[method], finished[method] = render_answer(answer, provenance), (answer, turn)
+                    progress = _verdict(f"{METHOD_NAMES[method]} is answering…")
+                    yield panes["vanilla"], panes["eagle"], progress, meter_html(turn, baseline, running=True)
+        except Exception as err:  # a traceback must never reach the page
+            yield panes["vanilla"], panes["eagle"], _verdict(_problem(err)), gr.skip()
             return
-        yield update(_compare_verdict(results["vanilla"], results["eagle"]), meter_html(results["eagle"][1], self.service.baseline))
+        verdict = _compare_verdict(finished["vanilla"], finished["eagle"])
+        yield panes["vanilla"], panes["eagle"], verdict, meter_html(finished["eagle"][1], baseline)
 
 
 def _verdict(text: str, state: str = "") -> str:
@@ -226,7 +227,9 @@ def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EA
                             "Lossless means the two texts are identical, token for token."
                         )
                         with gr.Row(equal_height=True):
-                            compare_prompt = gr.Textbox(elem_id="compare-prompt", show_label=False, placeholder="Prompt", scale=6)
+                            compare_prompt = gr.Textbox(
+                                elem_id="compare-prompt", show_label=False, placeholder="Prompt", scale=6
+                            )
                             compare_button = gr.Button("Compare", variant="primary", elem_id="compare", scale=1)
                             compare_stop = gr.Button("Stop", variant="stop", elem_id="compare-stop", scale=1)
                         verdict = gr.HTML(elem_id="verdict")
@@ -239,7 +242,8 @@ def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EA
                                 eagle_pane = gr.HTML(elem_id="eagle-answer", elem_classes=["pane"])
             with gr.Column(scale=1, min_width=280):
                 meter = gr.HTML(meter_html(None, service.baseline), elem_id="meter")
-                engine_status = gr.HTML(handlers.status, elem_id="engine-status")  # a callable: fresh on every page load
+                # A callable value is read on every page load; the timer below refreshes it.
+                engine_status = gr.HTML(handlers.status, elem_id="engine-status")
                 with gr.Accordion("Settings", open=True):
                     method = gr.Radio(
                         [(METHOD_NAMES[m], m) for m in methods], value=methods[0], label="Method",
@@ -248,9 +252,12 @@ def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EA
                     temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy")
                     top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
                     max_tokens = gr.Slider(
-                        1, max_new_tokens, value=max_new_tokens, step=1, label="Max new tokens", elem_id="max-new-tokens"
+                        1, max_new_tokens, value=max_new_tokens, step=1, label="Max new tokens",
+                        elem_id="max-new-tokens",
                     )
-                    total_tokens = gr.Slider(2, 96, value=24, step=1, label="Tree size", info="draft tokens verified per round")
+                    total_tokens = gr.Slider(
+                        2, 96, value=24, step=1, label="Tree size", info="draft tokens verified per round"
+                    )
                     depth = gr.Slider(1, 10, value=5, step=1, label="Tree depth")
                     provenance = gr.Checkbox(value=True, label="Colour drafted tokens", elem_id="provenance")
         timer = gr.Timer(1.0)
@@ -261,7 +268,9 @@ def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EA
         answer_outputs = [conversation, chatbot, meter]
         answers = []
         for trigger in (prompt.submit, send.click):
-            added = trigger(handlers.add_message, [prompt, conversation], [prompt, conversation, chatbot], **quick_events)
+            added = trigger(
+                handlers.add_message, [prompt, conversation], [prompt, conversation, chatbot], **quick_events
+            )
             answers.append(added.then(handlers.answer, answer_inputs, answer_outputs, **engine_events))
         dropped = regenerate.click(handlers.regenerate, [conversation], [conversation, chatbot], **quick_events)
         answers.append(dropped.then(handlers.answer, answer_inputs, answer_outputs, **engine_events))
@@ -269,7 +278,9 @@ def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EA
             handlers.after_stop, [conversation], [conversation, chatbot, meter], **quick_events
         )
         for trigger in (clear.click, chatbot.clear):  # the Chatbot's own bin icon clears the conversation too
-            trigger(None, None, None, cancels=answers).then(handlers.clear, None, [conversation, chatbot, meter], queue=False)
+            trigger(None, None, None, cancels=answers).then(
+                handlers.clear, None, [conversation, chatbot, meter], queue=False
+            )
         provenance.change(handlers.rerender, [conversation, provenance], [chatbot], queue=False)
 
         compare_inputs = [compare_prompt, provenance, max_tokens, total_tokens, depth]

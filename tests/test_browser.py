@@ -88,6 +88,21 @@ def test_stop_ends_decoding_on_the_server(page):
     assert int(meter(page)["rounds"]) < 200 and meter(page)["state"] == "idle"
 
 
+def test_closing_the_tab_frees_the_engine(browser, app_url):
+    page, watcher = open_app(browser, app_url), open_app(browser, app_url)
+    choose_method(page, "Plain decoding")
+    send(page, "Write a long story about a dragon who learns to cook.")
+    page.wait_for_function("() => Number(document.querySelector('#meter .meter').dataset.rounds) >= 3", timeout=120_000)
+    page.context.close()  # the user goes away mid-answer
+    watcher.wait_for_function(
+        "() => document.querySelector('#engine-status .engine-status').dataset.active === '0'", timeout=30_000
+    )
+    rounds = engine_status(watcher)["rounds"]
+    time.sleep(3)
+    assert engine_status(watcher)["rounds"] == rounds, "the engine kept decoding for a closed tab"
+    watcher.context.close()
+
+
 def test_two_sessions_at_once_each_get_their_own_answer(browser, app_url):
     questions = {"What is the capital of France?": "Paris", "What is the capital of Japan?": "Tokyo"}
     pages = [open_app(browser, app_url) for _ in questions]
