@@ -280,7 +280,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(err))
 
     head = None if args.head.lower() == "none" else args.head
-    engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype)
+    try:
+        engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype)
+    except (ValueError, OSError) as err:  # CheckpointError is a ValueError; a missing base is FileNotFoundError
+        parser.error(str(err))
     head_name = (str(DEFAULT_HEAD) if head == "default" else head) if engine.head else None
     if "eagle" in methods and engine.head is None:
         reason = "--head none" if head is None else f"the shipped head {DEFAULT_HEAD} is missing or not for this base"

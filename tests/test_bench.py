@@ -90,6 +90,13 @@ def test_unknown_method_is_refused(assets, capsys):
     assert "unknown method 'medusa'" in err and "hf-pld" in err
 
 
+def test_missing_head_is_refused(assets, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--base", str(assets / "base"), "--head", str(tmp_path / "nowhere"),
+              "--questions", str(assets / "questions.jsonl")])
+    assert "nowhere" in capsys.readouterr().err
+
+
 def test_malformed_question_line_is_named(assets, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(QUESTIONS[0]) + "\n\n" + '{"question_id": 2, "turns": ["hi"]\n')
