@@ -193,7 +193,7 @@ def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EA
     engine_events = dict(concurrency_id="engine", concurrency_limit=1)
     # Quick steps skip the engine's line but stay queued: only queued events can show a hint (gr.Warning).
     quick_events = dict(concurrency_limit=None, show_progress="hidden")
-    with gr.Blocks(title=title) as demo:
+    with gr.Blocks(title=title, analytics_enabled=False) as demo:  # no calls home from a local app
         conversation = gr.State(Conversation())
         gr.HTML(
             f'<div class="app-header"><h1>{title}</h1><p>Lossless speculative decoding: a small EAGLE head drafts '
