@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
+import yaml  # comes with gradio
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,3 +54,13 @@ def test_a_load_error_stops_the_app_with_one_clear_line(main_module, monkeypatch
     monkeypatch.setattr(main_module.Engine, "load", refuse)
     with pytest.raises(SystemExit, match=r"^app.py: error: head /x does not fit base model y$"):
         main_module.main(["--head", "/x"])
+
+
+def test_readme_front_matter_deploys_the_repo_as_a_gradio_space():
+    """Spaces reads the README's YAML front matter: the SDK, its version (the Gradio we pin) and the entry point."""
+    readme = (ROOT / "README.md").read_text()
+    assert readme.startswith("---\n"), "README.md must open with the Spaces front matter"
+    front = yaml.safe_load(readme.split("---\n")[1])
+    pin = re.search(r"^gradio==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M).group(1)
+    assert front["sdk"] == "gradio" and str(front["sdk_version"]) == pin
+    assert (ROOT / front["app_file"]).is_file() and front["app_file"] == "app.py"
