@@ -1,4 +1,4 @@
-"""app.py's command line: options, their checks, and clear errors instead of tracebacks."""
+"""app.py's command line (options, their checks, clear errors) and the README front matter that Spaces reads."""
 from __future__ import annotations
 
 import importlib.util
