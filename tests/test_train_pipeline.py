@@ -1,0 +1,103 @@
+"""The training pipeline on tiny random models: data -> features -> vocabulary -> fit -> a head that decodes losslessly."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine import Engine
+from engine.draft.checkpoint import load_head
+from engine.models import load_tokenizer
+from engine.train.data import DataError, build_data, read_conversations, read_shards
+from engine.train.fit import FitConfig
+from engine.train.pipeline import fit_head
+from engine.train.vocab import choose_vocab, coverage, token_counts
+
+FAST = dict(ttt_steps=2, epochs=2, batch_tokens=256, warmup=2, save_every=0, eval_every=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()  # the embedded model's tokenizer: its chat template is the real one
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+def write_source(path, count: int) -> None:
+    with open(path, "w") as f:
+        for i in range(count):
+            turns = [{"from": "human", "value": f"Question {i}: what do you know about topic {7 * i}?"},
+                     {"from": "gpt", "value": f"Topic {7 * i} is interesting."}]
+            f.write(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
+
+
+def greedy(engine: Engine, ids: list[int], method: str) -> list[int]:
+    return [t for step in engine.generate(ids, method, max_new_tokens=24) for t in step.tokens]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_smoke_pipeline_gives_a_head_that_loads_and_decodes_losslessly(tmp_path, tokenizer, tiny_chat_model, kind):
+    write_source(tmp_path / "source.jsonl", 6)
+    build_data(tiny_chat_model, tokenizer, tmp_path / "data", tmp_path / "source.jsonl", batch_size=3,
+               max_new_tokens=12, max_prompt_tokens=128, shard_size=3)
+    records = read_shards(tmp_path / "data")
+    assert len(records) == 6 and all(len(r["input_ids"]) > r["prompt_len"] for r in records)
+    summary = fit_head(tiny_chat_model, [tmp_path / "data"], tmp_path / "head", tmp_path / "work", kind,
+                       draft_vocab_size=300, config=FitConfig(**FAST), val_every=3)
+    assert summary["steps"] == summary["total_steps"] > 0 and summary["validation"] is not None
+    assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["config.json", "model.safetensors"]
+    head = load_head(tmp_path / "head", tiny_chat_model)
+    engine = Engine(tiny_chat_model, tokenizer, head)
+    prompt = engine.encode_chat([{"role": "user", "content": "Question 2: what do you know?"}])
+    assert greedy(engine, prompt, "eagle") == greedy(engine, prompt, "vanilla")
+
+
+def test_data_resumes_without_redoing_finished_shards(tmp_path, tokenizer, tiny_chat_model):
+    write_source(tmp_path / "source.jsonl", 6)
+    args = dict(batch_size=2, max_new_tokens=4, max_prompt_tokens=128, shard_size=2)
+    build_data(tiny_chat_model, tokenizer, tmp_path / "data", tmp_path / "source.jsonl", limit=4, **args)
+    first = (tmp_path / "data" / "shard_00000.jsonl").read_text()
+    build_data(tiny_chat_model, tokenizer, tmp_path / "data", tmp_path / "source.jsonl", limit=6, **args)
+    assert (tmp_path / "data" / "shard_00000.jsonl").read_text() == first
+    ids = [r["id"] for r in read_shards(tmp_path / "data")]
+    assert len(ids) == len(set(ids)) == 6
+
+
+def test_duplicate_prompts_are_dropped(tmp_path, tokenizer, tiny_chat_model):
+    turns = [{"from": "human", "value": "Same  question?"}, {"from": "gpt", "value": "Yes."}]
+    (tmp_path / "dup.json").write_text(json.dumps([{"id": str(i), "conversations": turns} for i in range(3)]))
+    build_data(tiny_chat_model, tokenizer, tmp_path / "data", tmp_path / "dup.json", max_new_tokens=4)
+    assert len(read_shards(tmp_path / "data")) == 1
+
+
+@pytest.mark.parametrize("content, line", [
+    ('{"conversations": [{"from": "human", "value": "hi"}]}\n\n{"conversations": [\n', 3),
+    ('{"conversations": [{"from": "human", "value": "hi"}]}\n{"conversations": [{"from": "alien", "value": "x"}]}\n', 2),
+    ('[\n {"conversations": [{"from": "human", "value": "hi"}]},\n {"conversations": [{"from": "gpt" "value": 1}]}\n]', 3),
+    ('[\n {"messages": [{"role": "user", "content": "hi"}]},\n {"messages": "not a list"}\n]', 3),
+])
+def test_malformed_data_file_names_the_line(tmp_path, content, line):
+    path = tmp_path / ("data.json" if content.startswith("[") else "data.jsonl")
+    path.write_text(content)
+    with pytest.raises(DataError, match=rf"{path.name}:{line}:"):
+        list(read_conversations(path))
+
+
+def test_vocabulary_keeps_the_most_frequent_reply_tokens():
+    records = [{"input_ids": [9, 9, 1, 2, 2, 2, 3], "prompt_len": 2}, {"input_ids": [5, 3, 3], "prompt_len": 1}]
+    counts = token_counts(records, 10)
+    assert counts.tolist() == [0, 1, 3, 3, 0, 0, 0, 0, 0, 0]  # prompt tokens (9, 5) are not counted
+    used = choose_vocab(counts, 2)
+    assert used.tolist() == [2, 3]
+    assert coverage(counts, used) == pytest.approx(6 / 7)
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        choose_vocab(counts, 11)
