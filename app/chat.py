@@ -9,7 +9,7 @@ from contextlib import closing
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
-from engine import ContextTooLong, Engine
+from engine import ContextTooLong, DecodeParams, Engine
 
 from .meter import Baseline, TurnMeter
 from .render import Answer, TokenText
@@ -26,8 +26,8 @@ class Settings:
     temperature: float = 0.0
     top_p: float = 1.0
     max_new_tokens: int = 256
-    total_tokens: int = 24
-    depth: int = 5
+    total_tokens: int = DecodeParams.total_tokens
+    depth: int = DecodeParams.depth
 
     def decode_params(self) -> dict:
         params = asdict(self)

@@ -256,9 +256,10 @@ def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EA
                         elem_id="max-new-tokens",
                     )
                     total_tokens = gr.Slider(
-                        2, 96, value=24, step=1, label="Tree size", info="draft tokens verified per round"
+                        2, 96, value=Settings.total_tokens, step=1, label="Tree size",
+                        info="tokens verified per round (root included)",
                     )
-                    depth = gr.Slider(1, 10, value=5, step=1, label="Tree depth")
+                    depth = gr.Slider(1, 10, value=Settings.depth, step=1, label="Tree depth")
                     provenance = gr.Checkbox(value=True, label="Colour drafted tokens", elem_id="provenance")
         timer = gr.Timer(1.0)
         timer.tick(handlers.status, None, engine_status, queue=False, show_progress="hidden")
