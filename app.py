@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dtype", default="float32", choices=list(DTYPES))
     add("--quantization", default="none", choices=list(QUANTIZATIONS),
         help="bitsandbytes weights, for Hugging Face checkpoints")
+    add("--max-memory", help="with --device auto on several GPUs: the most each GPU may hold, e.g. 20GiB")
     add("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     add("--port", type=int, help="port (default 7860, or the next free one)")
     add("--share", action="store_true", help="also serve through a temporary public gradio.live link")
@@ -53,7 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     head = None if args.head.lower() == "none" else args.head
     try:
-        engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization)
+        engine = Engine.load(
+            args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
+            max_memory=args.max_memory,
+        )
     except (CheckpointError, ValueError, OSError, ImportError) as err:  # bad paths, sizes, devices, packages
         raise SystemExit(f"app.py: error: {err}") from None
     service = ChatService(engine)

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from . import Engine
 from .draft.checkpoint import DEFAULT_HEAD
 from .generate import TREES, DecodeParams, Step
-from .models import DTYPES
+from .models import DTYPES, QUANTIZATIONS
 
 METHODS = ("vanilla", "eagle", "hf", "hf-pld")
 ENGINE_METHODS = ("vanilla", "eagle")
@@ -253,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head", default="default",
                         help="draft head folder or hub id; 'default' = the shipped head, 'none' = no head")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype of the base model")
-    parser.add_argument("--device", default="cpu", help="torch device")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (every GPU)")
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="bitsandbytes weights")
     parser.add_argument("--tree", default=defaults.tree, choices=TREES, help="EAGLE-2 dynamic or EAGLE-1 static")
     parser.add_argument("--total-tokens", type=int, default=defaults.total_tokens, help="tree nodes incl. root")
     parser.add_argument("--depth", type=int, default=defaults.depth, help="tree expansion steps")
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     head = None if args.head.lower() == "none" else args.head
     try:
-        engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype)
+        engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization)
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError; a missing base is FileNotFoundError
         parser.error(str(err))
     head_name = (str(DEFAULT_HEAD) if head == "default" else head) if engine.head else None
