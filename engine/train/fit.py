@@ -156,7 +156,7 @@ def init_from_base(head: DraftHead, base_model) -> torch.Tensor | None:
 
     The LM head and final norm copy the base model's (rows of the draft vocabulary), and the fused-feature
     projection passes the highest fused layer through unchanged: the head's first guess is the base model's own
-    late-layer prediction, in the right scale. Returns the base LM-head rows [V_d, H]; None for EAGLE-1.
+    late-layer prediction. Returns the base LM-head rows [V_d, H]; None for EAGLE-1.
     """
     if head.kind != "eagle3":
         return None
