@@ -175,19 +175,6 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def load_base(
-    base: str | None = None,
-    *,
-    dtype: str | torch.dtype = "float32",
-    device: str = "cpu",
-    attn_implementation: str = "sdpa",
-    quantization: str = "none",
-    max_memory: str | None = None,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM (see load_model) and its tokenizer."""
-    tokenizer = load_tokenizer(base)
-    model = load_model(
-        base, dtype=dtype, device=device, attn_implementation=attn_implementation, quantization=quantization,
-        max_memory=max_memory,
-    )
-    return model, tokenizer
+def load_base(base: str | None = None, **options) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer; `options` are load_model's (dtype, device, quantization, ...)."""
+    return load_model(base, **options), load_tokenizer(base)
