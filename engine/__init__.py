@@ -18,6 +18,7 @@ from .draft.drafter import Drafter
 from .draft.head import DraftHead
 from .generate import METHODS, ContextTooLong, DecodeParams, Step, check_prompt, decode
 from .models import DEFAULT_BASE, load_base, resolve_dtype
+from .packed import bf16_native, pack_linears
 from .target import Target
 
 __all__ = ["Engine", "Step", "DecodeParams", "CheckpointError", "ContextTooLong", "METHODS"]
@@ -50,11 +51,17 @@ class Engine:
         quantization: str = "none",
         attn: str = "sdpa",
         max_memory: str | None = None,
+        pack: bool = True,
     ) -> "Engine":
         """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise.
 
-        quantization, attn and max_memory (a per-GPU cap for device="auto") are explained in engine.models.
+        quantization, attn and max_memory (a per-GPU cap for device="auto") are explained in engine.models;
+        pack packs the linear layers that run on the CPU for oneDNN (engine.packed), changing the model in place.
+        head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16; the
+        head's precision never changes the output (verification decides), only how fast and how well it drafts.
         """
+        if head_dtype is None and pack and device == "cpu" and bf16_native():
+            head_dtype = "bfloat16"
         if head == "default":
             head = DEFAULT_HEAD if base in (None, "", DEFAULT_BASE) and DEFAULT_HEAD.exists() else None
         if head and attn == "flash_attention_2":
@@ -63,7 +70,11 @@ class Engine:
         model, tokenizer = load_base(
             base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
         )
+        if pack:  # before the head borrows the base LM head, so an EAGLE-1 head drafts through the packed one
+            pack_linears(model)
         draft = load_head(head, model, resolve_dtype(head_dtype) if head_dtype else None) if head else None
+        if pack and draft is not None:
+            pack_linears(draft)
         return cls(model, tokenizer, draft)
 
     @property

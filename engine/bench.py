@@ -3,8 +3,11 @@
 Methods:
   vanilla  the engine without drafting, one base forward per token: the honest baseline
   eagle    the engine with its draft head (EAGLE trees, lossless verification)
-  hf       transformers `generate` on the same model object and dtype
+  hf       transformers `generate` on the same model and dtype, as transformers runs it (stock linear layers)
   hf-pld   transformers prompt lookup decoding (prompt_lookup_num_tokens=10)
+
+On the CPU the engine's linear layers are packed for oneDNN (engine/packed.py; --no-pack turns that off), so
+hf and hf-pld get a second, unpacked copy of the model: they measure transformers itself.
 
 Each question's first turn goes through the chat template. Methods alternate question by question, in an order
 that rotates per question, so a noisy machine slows them all alike; each method first runs one short untimed
@@ -33,12 +36,14 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers import PreTrainedModel
 from tqdm import tqdm
 
 from . import Engine
 from .draft.checkpoint import DEFAULT_HEAD
 from .generate import TREES, DecodeParams, Step
-from .models import DTYPES, QUANTIZATIONS
+from .models import DTYPES, QUANTIZATIONS, load_base
+from .packed import PackedLinear
 
 METHODS = ("vanilla", "eagle", "hf", "hf-pld")
 ENGINE_METHODS = ("vanilla", "eagle")
@@ -116,9 +121,9 @@ def run_engine(engine: Engine, method: str, prompt: list[int], params: dict) -> 
     return Run([tok for step in steps for tok in step.tokens], wall, len(steps), steps)
 
 
-def run_hf(engine: Engine, prompt: list[int], params: dict, lookup: bool) -> Run:
+def run_hf(engine: Engine, model: PreTrainedModel, prompt: list[int], params: dict, lookup: bool) -> Run:
     """transformers `generate`, its output cut after the first stop token as the engine's Step stream is."""
-    model, temperature = engine.model, params["temperature"]
+    temperature = params["temperature"]
     kwargs = dict(
         max_new_tokens=params["max_new_tokens"],
         eos_token_id=list(engine.stop_ids),
@@ -143,10 +148,10 @@ def run_hf(engine: Engine, prompt: list[int], params: dict, lookup: bool) -> Run
     return Run(tokens if stop is None else tokens[: stop + 1], wall, calls[0])
 
 
-def run_method(engine: Engine, method: str, prompt: list[int], params: dict) -> Run:
+def run_method(engine: Engine, hf_model: PreTrainedModel | None, method: str, prompt: list[int], params: dict) -> Run:
     if method in ENGINE_METHODS:
         return run_engine(engine, method, prompt, params)
-    return run_hf(engine, prompt, params, lookup=method == "hf-pld")
+    return run_hf(engine, hf_model, prompt, params, lookup=method == "hf-pld")
 
 
 def _mean_ms(values: list[float]) -> float | None:
@@ -259,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--total-tokens", type=int, default=defaults.total_tokens, help="tree nodes incl. root")
     parser.add_argument("--depth", type=int, default=defaults.depth, help="tree expansion steps")
     parser.add_argument("--draft-top-k", type=int, default=defaults.draft_top_k, help="children per expanded node")
+    parser.add_argument("--no-pack", dest="pack", action="store_false",
+                        help="keep the engine's CPU linear layers as transformers has them (no oneDNN packing)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the full results here")
     parser.add_argument("--plot", default=None, help="write a bar chart (PNG) of tokens/s and tau here")
     return parser
@@ -282,7 +289,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     head = None if args.head.lower() == "none" else args.head
     try:
-        engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization)
+        engine = Engine.load(
+            args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization, pack=args.pack
+        )
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError; a missing base is FileNotFoundError
         parser.error(str(err))
     head_name = (str(DEFAULT_HEAD) if head == "default" else head) if engine.head else None
@@ -301,14 +310,17 @@ def main(argv: list[str] | None = None) -> dict:
         except ValueError as err:
             parser.error(f"question {q['question_id']}: {err}")
 
+    hf_model = engine.model
+    if any(m.startswith("hf") for m in methods) and any(isinstance(m, PackedLinear) for m in engine.model.modules()):
+        hf_model, _ = load_base(args.base, dtype=args.dtype, device=args.device, quantization=args.quantization)
     for method in methods:
-        run_method(engine, method, prompts[0], {**params, "max_new_tokens": min(WARMUP_TOKENS, args.max_new_tokens)})
+        run_method(engine, hf_model, method, prompts[0], {**params, "max_new_tokens": min(WARMUP_TOKENS, args.max_new_tokens)})
     runs: dict[str, list[Run]] = {m: [] for m in methods}
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen") as bar:
         for i, (q, prompt) in enumerate(zip(questions, prompts)):
             for method in methods[i % len(methods):] + methods[: i % len(methods)]:
                 bar.set_postfix(question=q["question_id"], method=method)
-                runs[method].append(run_method(engine, method, prompt, params))
+                runs[method].append(run_method(engine, hf_model, method, prompt, params))
                 bar.update()
 
     baseline = runs.get("vanilla")
@@ -320,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
             "base": args.base or "embedded SmolLM2-135M-Instruct", "head": head_name,
             "dtype": args.dtype, "device": args.device, "questions": str(args.questions), "count": len(questions),
             "methods": methods, "date": date, "torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(), **params,
+            "threads": torch.get_num_threads(), "packed": args.pack, **params,
         },
         "summary": summary,
         "questions": [

@@ -48,6 +48,7 @@ def report(assets):
 def test_json_schema_and_tau(assets, report):
     saved = json.loads((assets / "out.json").read_text())
     assert saved["summary"].keys() == set(METHODS)
+    assert saved["config"]["packed"] is True  # the engine packs; hf and hf-pld ran on an unpacked copy
     for method, s in saved["summary"].items():
         for key in ("tokens", "wall_s", "tokens_per_s", "tau", "draft_ms", "verify_ms", "other_ms", "matches_vanilla"):
             assert key in s, (method, key)

@@ -1,0 +1,55 @@
+"""oneDNN-packed linear layers: same products as nn.Linear, batch-invariant rows, and lossless decoding through them."""
+import pytest
+import torch
+from torch import nn
+
+from conftest import SHAPES, tiny_engine, tokens_of
+from engine.packed import PackedLinear, pack_linears, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_packed_linear_computes_what_the_linear_does(bias, dtype, tolerance):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 200, bias=bias).to(dtype)
+    packed = PackedLinear(linear)
+    for rows in (1, 3, 24):
+        x = torch.randn(2, rows, 96, dtype=dtype)
+        torch.testing.assert_close(packed(x), linear(x), rtol=tolerance, atol=tolerance)
+    assert packed.weight.dtype == dtype and packed.weight.numel() == 0  # stand-in for dtype/device readers
+
+
+def test_rows_do_not_depend_on_how_many_rows_go_through_together():
+    """What makes a tree forward agree with the same tokens fed in any other batch of two or more."""
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(576, 1536, bias=False))
+    x = torch.randn(64, 576)
+    everything = packed(x)
+    for rows in (2, 3, 8, 13, 24, 63):
+        assert torch.equal(packed(x[:rows]), everything[:rows]), rows
+
+
+def test_pack_linears_replaces_plain_cpu_linears_only():
+    class Quantized(nn.Linear):  # stands for bitsandbytes' nn.Linear subclasses
+        pass
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), Quantized(8, 8)), nn.Linear(8, 8).half())
+    assert pack_linears(model) == 2
+    assert [type(m).__name__ for m in model.modules() if not isinstance(m, nn.Sequential)] == [
+        "PackedLinear", "PackedLinear", "Quantized", "Linear"
+    ]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_packed_engine_greedy_equals_vanilla(shape, kind, prompt):
+    engine = tiny_engine(shape, kind, pack=True)
+    assert not any(type(m) is nn.Linear for m in engine.model.modules())
+    vanilla = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=80))
+    steps = list(engine.generate(prompt, "eagle", max_new_tokens=80))
+    assert tokens_of(steps) == vanilla
+    assert sum(s.accepted for s in steps) > 0
+    unpacked = tiny_engine(shape, None)  # same seeds: the model before packing
+    assert tokens_of(unpacked.generate(prompt, "vanilla", max_new_tokens=80)) == vanilla
