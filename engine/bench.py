@@ -40,6 +40,7 @@ from transformers import PreTrainedModel
 from tqdm import tqdm
 
 from . import Engine
+from .costs import verification_curve
 from .draft.checkpoint import DEFAULT_HEAD
 from .generate import TREES, DecodeParams, Step
 from .models import DTYPES, QUANTIZATIONS, load_base
@@ -217,6 +218,25 @@ def print_table(summary: dict, questions: int, file=sys.stdout) -> None:
               file=file)
 
 
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--verify-curve takes comma-separated tree sizes such as 1,8,16; got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"tree sizes must be at least 1; got {text!r}")
+    return sizes
+
+
+def print_curve(engine: Engine, sizes: list[int]) -> dict:
+    """--verify-curve: the base model's verification cost by tree size (engine/costs.py)."""
+    rows = verification_curve(engine.target, sizes)
+    print("tree tokens  ms/forward  x one-token step")
+    for row in rows:
+        print(f"{row['tree_tokens']:>11}  {row['ms']:>10.1f}  {row['ratio']:>16.2f}")
+    return {"verification_curve": rows}
+
+
 def plot(summary: dict, out: str | Path, title: str) -> None:
     """Two bar panels, tokens/s and tau, one bar per method."""
     import matplotlib
@@ -266,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-top-k", type=int, default=defaults.draft_top_k, help="children per expanded node")
     parser.add_argument("--no-pack", dest="pack", action="store_false",
                         help="keep the engine's CPU linear layers as transformers has them (no oneDNN packing)")
+    parser.add_argument("--verify-curve", default=None, metavar="SIZES",
+                        help="instead of the methods: time one verification forward of each comma-separated tree "
+                             "size (1 = a plain step) over a 300-token cache, and print the curve")
     parser.add_argument("--json", dest="json_out", default=None, help="write the full results here")
     parser.add_argument("--plot", default=None, help="write a bar chart (PNG) of tokens/s and tau here")
     return parser
@@ -284,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
             total_tokens=args.total_tokens, depth=args.depth, draft_top_k=args.draft_top_k,
         )
         DecodeParams(**params)  # reject bad settings before loading a model
+        curve_sizes = parse_sizes(args.verify_curve) if args.verify_curve else None
     except (ValueError, OSError) as err:
         parser.error(str(err))
 
@@ -294,6 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError; a missing base is FileNotFoundError
         parser.error(str(err))
+    if curve_sizes:
+        return print_curve(engine, curve_sizes)
     head_name = (str(DEFAULT_HEAD) if head == "default" else head) if engine.head else None
     if "eagle" in methods and engine.head is None:
         reason = "--head none" if head is None else f"the shipped head {DEFAULT_HEAD} is missing or not for this base"

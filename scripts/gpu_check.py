@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -33,12 +32,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from engine import Engine, bench  # noqa: E402
-from engine.cache import truncate  # noqa: E402
+from engine import Engine, bench, costs  # noqa: E402
 from engine.draft.checkpoint import DEFAULT_HEAD  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from engine.target import Target  # noqa: E402
-from engine.tree import DraftTree  # noqa: E402
 
 _threads = torch.get_num_threads()
 import conftest  # noqa: E402  (it pins one CPU thread for the test suite; the check keeps the machine's setting)
@@ -166,46 +163,13 @@ def run_bench(s: Settings, folder: Path) -> dict:
     return {"config": report["config"], "summary": report["summary"]}
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def verification_curve(s: Settings) -> list[dict]:
-    """Time one verification forward (tree mask + LM head over all rows) of T tokens over a filled cache."""
-    generator = torch.Generator().manual_seed(0)
+    """The verification-cost curve (engine/costs.py) of a random-weight model of the configured shape."""
     config = LlamaConfig(**s.curve_shape)
     with torch.device(s.device):
         model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, s.curve_dtype)).eval().requires_grad_(False)
-    target = Target(model)
-    cache = target.new_cache()
-    target.forward(torch.randint(0, config.vocab_size, (s.cache_tokens,), generator=generator), cache)
-
-    def forward_ms(tokens: int) -> float:
-        ids = torch.randint(0, config.vocab_size, (tokens,), generator=generator)
-        if tokens == 1:  # a plain decoding step: causal, no explicit mask
-            args = ()
-        else:  # a random tree: each node hangs under an earlier one
-            parents = torch.tensor([-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, tokens)])
-            tree = DraftTree(ids, parents)
-            visible = torch.cat([torch.ones(tokens, s.cache_tokens, dtype=torch.bool), tree.ancestor_mask()], dim=1)
-            args = (s.cache_tokens + tree.depths, visible)
-        times = []
-        for _ in range(s.repeats + 1):  # the first run warms up kernels for this shape
-            _sync(s.device)
-            start = time.perf_counter()
-            hidden, _ = target.forward(ids, cache, *args)
-            target.logits(hidden)
-            _sync(s.device)
-            times.append(time.perf_counter() - start)
-            truncate(cache, s.cache_tokens)
-        return 1000 * statistics.median(times[1:])
-
-    rows = [{"tree_tokens": t, "ms": forward_ms(t)} for t in s.tree_sizes]
-    base = rows[0]["ms"]
-    for row in rows:
-        row["ratio"] = row["ms"] / base
-    del model, target, cache
+    rows = costs.verification_curve(Target(model), s.tree_sizes, s.cache_tokens, s.repeats)
+    del model
     if s.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows

@@ -109,3 +109,18 @@ def test_malformed_question_line_is_named(assets, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--questions", str(bad), "--methods", "vanilla"])
     assert f"{bad} line 1: missing category" in capsys.readouterr().err
+
+
+def test_verification_curve_times_each_tree_size(assets, capsys):
+    report = main(["--base", str(assets / "base"), "--head", "none", "--questions", str(assets / "questions.jsonl"),
+                   "--verify-curve", "1,4,12"])
+    rows = report["verification_curve"]
+    assert [r["tree_tokens"] for r in rows] == [1, 4, 12]
+    assert rows[0]["ratio"] == 1.0 and all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)
+    assert "x one-token step" in capsys.readouterr().out
+
+
+def test_bad_curve_sizes_are_refused(assets, capsys):
+    with pytest.raises(SystemExit):
+        main(["--questions", str(assets / "questions.jsonl"), "--verify-curve", "1,eight"])
+    assert "comma-separated tree sizes" in capsys.readouterr().err
