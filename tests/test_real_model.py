@@ -8,6 +8,8 @@ import torch
 from conftest import tokens_of
 from engine import Engine
 from engine.draft.checkpoint import DEFAULT_HEAD
+from engine.models import load_base
+from engine.packed import PackedLinear, packing_available
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench" / "mt_bench.jsonl"
 FALLBACK_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "List three uses of copper."]
@@ -30,12 +32,17 @@ def engine():
 def test_default_engine_has_the_shipped_eagle3_head(engine):
     assert DEFAULT_HEAD.exists()
     assert engine.head is not None and engine.head.kind == "eagle3"
+    if packing_available():  # the CPU fast path is what the default engine decodes with, so the tests cover it
+        assert any(isinstance(m, PackedLinear) for m in engine.model.modules())
 
 
 def test_vanilla_equals_transformers_generate(engine):
+    """Against the model as transformers runs it: the engine's packed linear layers must not change the output."""
     ids = engine.encode_chat([{"role": "user", "content": _prompts(1)[0]}])
     ours = tokens_of(engine.generate(ids, "vanilla", max_new_tokens=24))
-    ref = engine.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=list(engine.stop_ids))
+    stock, _ = load_base(None)
+    assert not any(isinstance(m, PackedLinear) for m in stock.modules())
+    ref = stock.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=list(engine.stop_ids))
     assert ours == ref[0, len(ids):].tolist()
 
 
