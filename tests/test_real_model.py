@@ -55,7 +55,7 @@ def test_eagle_greedy_equals_vanilla_with_real_acceptance(engine):
         assert tokens_of(steps) == vanilla
         forwards += len(steps) - 1
         produced += len(vanilla) - 1
-    assert produced / forwards > 1.3, "the shipped head should accept drafts (it averages 1.8 tokens per round)"
+    assert produced / forwards > 1.5, "the shipped head should accept drafts (τ 1.89 on 20 MT-bench questions)"
 
 
 def test_static_tree_is_lossless_too(engine):
