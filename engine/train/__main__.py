@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..models import load_base, load_tokenizer
+from ..packed import pack_linears
 from .fit import FitConfig
 
 SMOKE = {"limit": 6, "max_new_tokens": 24, "max_prompt_tokens": 96, "batch_size": 6, "ttt_steps": 3,
@@ -65,6 +66,7 @@ def run_data(args: argparse.Namespace, out: Path) -> None:
         model, tokenizer = None, load_tokenizer(args.base)
     else:
         model, tokenizer = load_base(args.base, dtype=args.gen_dtype, device=args.device)
+        pack_linears(model)  # generation only, never trained: the packed CPU layers are faster (engine/packed.py)
     start = time.time()
     build_data(model, tokenizer, out, args.source, args.limit, args.batch_size, args.max_new_tokens,
                args.max_prompt_tokens, args.shard_size, args.temperature, replies=args.replies)
