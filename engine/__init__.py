@@ -60,8 +60,6 @@ class Engine:
         head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16; the
         head's precision never changes the output (verification decides), only how fast and how well it drafts.
         """
-        if head_dtype is None and pack and device == "cpu" and bf16_native():
-            head_dtype = "bfloat16"
         if head == "default":
             head = DEFAULT_HEAD if base in (None, "", DEFAULT_BASE) and DEFAULT_HEAD.exists() else None
         if head and attn == "flash_attention_2":
@@ -72,6 +70,9 @@ class Engine:
         )
         if pack:  # before the head borrows the base LM head, so an EAGLE-1 head drafts through the packed one
             pack_linears(model)
+        on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
+        if head_dtype is None and pack and on_cpu and bf16_native():
+            head_dtype = "bfloat16"
         draft = load_head(head, model, resolve_dtype(head_dtype) if head_dtype else None) if head else None
         if pack and draft is not None:
             pack_linears(draft)

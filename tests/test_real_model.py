@@ -9,7 +9,7 @@ from conftest import tokens_of
 from engine import Engine
 from engine.draft.checkpoint import DEFAULT_HEAD
 from engine.models import load_base
-from engine.packed import PackedLinear, packing_available
+from engine.packed import PackedLinear, bf16_native, packing_available
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench" / "mt_bench.jsonl"
 FALLBACK_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "List three uses of copper."]
@@ -34,6 +34,7 @@ def test_default_engine_has_the_shipped_eagle3_head(engine):
     assert engine.head is not None and engine.head.kind == "eagle3"
     if packing_available():  # the CPU fast path is what the default engine decodes with, so the tests cover it
         assert any(isinstance(m, PackedLinear) for m in engine.model.modules())
+        assert engine.head.fc.weight.dtype == (torch.bfloat16 if bf16_native() else torch.float32)
 
 
 def test_vanilla_equals_transformers_generate(engine):
