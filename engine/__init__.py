@@ -28,8 +28,17 @@ _ROLES = ("system", "user", "assistant")
 class Engine:
     """A base model, an optional draft head, and a lock so that one generation runs at a time."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, head: DraftHead | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        head: DraftHead | None = None,
+        *,
+        pack: bool = False,
+    ):
+        """pack: replace the CPU linear layers of model and head by oneDNN-packed ones (engine.packed), in place."""
         self.model, self.tokenizer, self.head = model, tokenizer, head
+        self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
         text_config = model.config.get_text_config()
         self.target = Target(model, head.feature_layers(text_config.num_hidden_layers) if head else None)
         self._lock = threading.Lock()
@@ -68,15 +77,11 @@ class Engine:
         model, tokenizer = load_base(
             base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
         )
-        if pack:  # before the head borrows the base LM head, so an EAGLE-1 head drafts through the packed one
-            pack_linears(model)
         on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
         if head_dtype is None and pack and on_cpu and bf16_native():
             head_dtype = "bfloat16"
         draft = load_head(head, model, resolve_dtype(head_dtype) if head_dtype else None) if head else None
-        if pack and draft is not None:
-            pack_linears(draft)
-        return cls(model, tokenizer, draft)
+        return cls(model, tokenizer, draft, pack=pack)
 
     @property
     def max_context(self) -> int:

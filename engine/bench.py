@@ -44,7 +44,6 @@ from .costs import verification_curve
 from .draft.checkpoint import DEFAULT_HEAD
 from .generate import TREES, DecodeParams, Step
 from .models import DTYPES, QUANTIZATIONS, load_base
-from .packed import PackedLinear
 
 METHODS = ("vanilla", "eagle", "hf", "hf-pld")
 ENGINE_METHODS = ("vanilla", "eagle")
@@ -149,7 +148,7 @@ def run_hf(engine: Engine, model: PreTrainedModel, prompt: list[int], params: di
     return Run(tokens if stop is None else tokens[: stop + 1], wall, calls[0])
 
 
-def run_method(engine: Engine, hf_model: PreTrainedModel | None, method: str, prompt: list[int], params: dict) -> Run:
+def run_method(engine: Engine, hf_model: PreTrainedModel, method: str, prompt: list[int], params: dict) -> Run:
     if method in ENGINE_METHODS:
         return run_engine(engine, method, prompt, params)
     return run_hf(engine, hf_model, prompt, params, lookup=method == "hf-pld")
@@ -337,10 +336,11 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"question {q['question_id']}: {err}")
 
     hf_model = engine.model
-    if any(m.startswith("hf") for m in methods) and any(isinstance(m, PackedLinear) for m in engine.model.modules()):
+    if any(m.startswith("hf") for m in methods) and engine.packed_layers:
         hf_model, _ = load_base(args.base, dtype=args.dtype, device=args.device, quantization=args.quantization)
+    warmup = {**params, "max_new_tokens": min(WARMUP_TOKENS, args.max_new_tokens)}
     for method in methods:
-        run_method(engine, hf_model, method, prompts[0], {**params, "max_new_tokens": min(WARMUP_TOKENS, args.max_new_tokens)})
+        run_method(engine, hf_model, method, prompts[0], warmup)
     runs: dict[str, list[Run]] = {m: [] for m in methods}
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen") as bar:
         for i, (q, prompt) in enumerate(zip(questions, prompts)):

@@ -7,7 +7,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from engine import Engine
 from engine.draft.checkpoint import new_head, place_head
-from engine.packed import pack_linears
 
 # Tiny models gain nothing from threads, and extra threads thrash when several test processes share the CPU.
 torch.set_num_threads(1)
@@ -52,14 +51,8 @@ def random_head(model, kind: str, seed: int = 1):
 
 
 def tiny_engine(shape: str, kind: str | None, vocab: int = VOCAB, pack: bool = False) -> Engine:
-    """pack=True packs model and head as Engine.load does (the base before the head borrows its LM head)."""
     model = tiny_base(shape, vocab)
-    if pack:
-        pack_linears(model)
-    head = random_head(model, kind) if kind else None
-    if pack and head is not None:
-        pack_linears(head)
-    return Engine(model, IdsOnlyTokenizer(), head)
+    return Engine(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=pack)
 
 
 def tokens_of(steps) -> list[int]:

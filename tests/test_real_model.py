@@ -33,7 +33,7 @@ def test_default_engine_has_the_shipped_eagle3_head(engine):
     assert DEFAULT_HEAD.exists()
     assert engine.head is not None and engine.head.kind == "eagle3"
     if packing_available():  # the CPU fast path is what the default engine decodes with, so the tests cover it
-        assert any(isinstance(m, PackedLinear) for m in engine.model.modules())
+        assert engine.packed_layers > 0
         assert engine.head.fc.weight.dtype == (torch.bfloat16 if bf16_native() else torch.float32)
 
 
@@ -56,7 +56,8 @@ def test_eagle_greedy_equals_vanilla_with_real_acceptance(engine):
         assert tokens_of(steps) == vanilla
         forwards += len(steps) - 1
         produced += len(vanilla) - 1
-    assert produced / forwards > 1.5, "the shipped head should accept drafts (τ 1.89 on 20 MT-bench questions)"
+    tau = produced / forwards
+    assert tau > 1.5, f"τ {tau:.2f}: the shipped head should accept drafts (1.78 on these prompts, 1.89 on MT-bench)"
 
 
 def test_static_tree_is_lossless_too(engine):

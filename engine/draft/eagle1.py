@@ -47,5 +47,5 @@ class Eagle1Head(DraftHead):
         return x, new_kv
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        lm_head = self._borrowed[1]
+        lm_head = self.base_lm_head()
         return lm_head(hidden.to(lm_head.weight.dtype))

@@ -23,14 +23,18 @@ class DraftHead(nn.Module):
         head_dim = config.hidden_size // config.num_attention_heads
         self.rotary = Rotary(head_dim, config.rope_theta, config.rope_scaling)
         self.embed_tokens: nn.Embedding | None = None
-        self._borrowed: tuple[nn.Module, ...] = ()
+        self._base: tuple[nn.Module, ...] = ()  # in a tuple: not a submodule, not in the state dict
 
     def attach(self, base_model: nn.Module) -> None:
-        """Borrow the base model's input embedding and LM head (kept out of this module's state dict)."""
-        self._borrowed = (base_model.get_input_embeddings(), base_model.get_output_embeddings())
+        """Borrow the base model's input embedding and LM head. They are looked up at each use, so the head keeps
+        using the base model's own even after its layers are replaced in place (engine/packed.py)."""
+        self._base = (base_model,)
+
+    def base_lm_head(self) -> nn.Module:
+        return self._base[0].get_output_embeddings()
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if self.embed_tokens is not None else self._borrowed[0]
+        table = self.embed_tokens if self.embed_tokens is not None else self._base[0].get_input_embeddings()
         return table(token_ids).to(self.fc.weight.dtype)
 
     def rope(self, positions: torch.Tensor) -> KV:
