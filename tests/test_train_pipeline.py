@@ -61,6 +61,34 @@ def test_smoke_pipeline_gives_a_head_that_loads_and_decodes_losslessly(tmp_path,
     assert greedy(engine, prompt, "eagle") == greedy(engine, prompt, "vanilla")
 
 
+def test_fine_tuning_starts_from_the_given_head_and_keeps_its_vocabulary(tmp_path, tokenizer, tiny_chat_model):
+    write_source(tmp_path / "source.jsonl", 6)
+    build_data(tiny_chat_model, tokenizer, tmp_path / "data", tmp_path / "source.jsonl", batch_size=3,
+               max_new_tokens=12, max_prompt_tokens=128, shard_size=3)
+    fit_head(tiny_chat_model, [tmp_path / "data"], tmp_path / "first", tmp_path / "w1", draft_vocab_size=300,
+             config=FitConfig(**FAST), val_every=3, dtype=torch.float32)
+    first = load_head(tmp_path / "first", tiny_chat_model)
+    # zero steps: the written head is the given one, not a fresh head started from the base model
+    untouched = fit_head(tiny_chat_model, [tmp_path / "data"], tmp_path / "same", tmp_path / "w2", draft_vocab_size=500,
+                         config=FitConfig(**FAST), val_every=3, max_steps=0, dtype=torch.float32, init=tmp_path / "first")
+    same = load_head(tmp_path / "same", tiny_chat_model)
+    for (name, a), (_, b) in zip(first.state_dict().items(), same.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert untouched["steps"] == 0
+    # trained on: the weights move, the draft vocabulary (300 ids, not the 500 asked) stays
+    fit_head(tiny_chat_model, [tmp_path / "data"], tmp_path / "tuned", tmp_path / "w3", draft_vocab_size=500,
+             config=FitConfig(**FAST), val_every=3, dtype=torch.float32, init=tmp_path / "first")
+    tuned = load_head(tmp_path / "tuned", tiny_chat_model)
+    assert torch.equal(tuned.d2t, first.d2t)
+    assert not torch.equal(tuned.fc.weight, first.fc.weight)
+    engine = Engine(tiny_chat_model, tokenizer, tuned)
+    prompt = engine.encode_chat([{"role": "user", "content": "Question 4: what do you know?"}])
+    assert greedy(engine, prompt, "eagle") == greedy(engine, prompt, "vanilla")
+    with pytest.raises(ValueError, match="eagle3 head"):
+        fit_head(tiny_chat_model, [tmp_path / "data"], tmp_path / "x", tmp_path / "w4", "eagle1",
+                 config=FitConfig(**FAST), init=tmp_path / "first")
+
+
 def test_data_resumes_without_redoing_finished_shards(tmp_path, tokenizer, tiny_chat_model):
     write_source(tmp_path / "source.jsonl", 6)
     args = dict(batch_size=2, max_new_tokens=4, max_prompt_tokens=128, shard_size=2)

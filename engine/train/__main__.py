@@ -39,6 +39,8 @@ def _fit_args(parser: argparse.ArgumentParser) -> None:
     d = FitConfig()
     parser.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
     parser.add_argument("--work", default=None, help="features and checkpoints (default: runs/<out name>)")
+    parser.add_argument("--init", default=None, help="fine-tune this trained head (folder or hub id, same kind; "
+                        "its draft vocabulary is kept) instead of starting a new one")
     parser.add_argument("--draft-vocab-size", type=int, default=16384, help="EAGLE-3 draft vocabulary size")
     parser.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="EAGLE-3 training-time-test unroll")
     parser.add_argument("--lr", type=float, default=d.lr)
@@ -84,7 +86,7 @@ def run_fit(args: argparse.Namespace, data: list[str]) -> dict:
     work = Path(args.work or Path("runs") / Path(args.out).name)
     summary = fit_head(model, data, args.out, work, args.kind, args.draft_vocab_size, config,
                        cache=not args.live_features, val_every=args.val_every, max_steps=args.max_steps,
-                       time_limit_s=args.time_limit * 60 if args.time_limit else None)
+                       time_limit_s=args.time_limit * 60 if args.time_limit else None, init=args.init)
     print_summary(summary)
     return summary
 

@@ -104,6 +104,7 @@ def eagle3_loss(head: DraftHead, batch: dict, target_head: torch.Tensor, steps: 
     """TTT loss and, per step, (correct greedy guesses, counted slots, chain-prefix correct).
 
     target_head: the base LM-head rows of the draft vocabulary [V_d, H] (target distribution = softmax(last @ it.T)).
+    The LM head and softmaxes run only on the slots that count (reply tokens): they are most of a step's work.
     """
     reply, top1 = batch["reply"], batch.get("top1")  # top1 is optional: training steps skip its full-vocab matmul
     device = head.fc.weight.device
@@ -114,15 +115,15 @@ def eagle3_loss(head: DraftHead, batch: dict, target_head: torch.Tensor, steps: 
     for s, out in enumerate(ttt_unroll(head, batch["features"], batch["input_ids"], steps)):
         # slot j at step s predicts token j+s+2 from the target's distribution at position j+s+1
         counted = _shift(reply, s + 2, False).to(device)
-        learn = counted & _shift(in_vocab, s + 1, False).to(device)
-        logits = head.logits(out).float()
-        target = F.softmax(_shift(target_logits, s + 1).float(), -1)
+        learn = _shift(in_vocab, s + 1, False).to(device)[counted]  # among the counted slots
+        logits = head.logits(out[counted]).float()
+        target = F.softmax(_shift(target_logits, s + 1)[counted].float(), -1)
         per_slot = -(target * F.log_softmax(logits, -1)).sum(-1)
         total = total + decay**s * per_slot[learn].sum() / learn.sum().clamp(min=1)
         if top1 is not None:
             with torch.no_grad():
-                guess = head.to_target(logits.argmax(-1))
-                correct = (guess == _shift(top1, s + 1).to(device)) & counted
+                correct = torch.zeros_like(counted)
+                correct[counted] = head.to_target(logits.argmax(-1)) == _shift(top1, s + 1).to(device)[counted]
                 prefix = correct if prefix is None else prefix & correct
                 stats.append((correct.sum().item(), counted.sum().item(), prefix.sum().item()))
     return total, stats
@@ -151,19 +152,25 @@ def eagle1_loss(head: DraftHead, batch: dict, noise: float, generator: torch.Gen
     return regression + 0.1 * token, stats
 
 
-def init_from_base(head: DraftHead, base_model) -> torch.Tensor | None:
-    """Start an EAGLE-3 head where the base model ends, so a short run does not spend its steps finding it.
-
-    The LM head and final norm copy the base model's (rows of the draft vocabulary), and the fused-feature
-    projection passes the highest fused layer through unchanged: the head's first guess is the base model's own
-    late-layer prediction. Returns the base LM-head rows [V_d, H]; None for EAGLE-1.
-    """
+def target_rows(head: DraftHead, base_model) -> torch.Tensor | None:
+    """The base LM-head rows of the draft vocabulary [V_d, H], for the EAGLE-3 target distribution; None for EAGLE-1."""
     if head.kind != "eagle3":
         return None
     weight = base_model.get_output_embeddings().weight.detach().float()
-    rows = weight[head.t2d] if head.has_vocab_map else weight
+    return (weight[head.t2d] if head.has_vocab_map else weight).clone()
+
+
+def init_from_base(head: DraftHead, base_model) -> None:
+    """Start a new EAGLE-3 head where the base model ends, so a short run does not spend its steps finding it.
+
+    The LM head and final norm copy the base model's (rows of the draft vocabulary), and the fused-feature
+    projection passes the highest fused layer through unchanged: the head's first guess is the base model's own
+    late-layer prediction.
+    """
+    if head.kind != "eagle3":
+        return
     with torch.no_grad():
-        head.lm_head.weight.copy_(rows)
+        head.lm_head.weight.copy_(target_rows(head, base_model))
         norm = getattr(base_model.get_decoder(), "norm", None)
         if norm is not None:
             head.norm.weight.copy_(norm.weight.float())
@@ -171,7 +178,6 @@ def init_from_base(head: DraftHead, base_model) -> torch.Tensor | None:
         if head.fc.weight.shape[1] == 3 * hidden:
             head.fc.weight.zero_()
             head.fc.weight[:, 2 * hidden:] = torch.eye(hidden)
-    return rows.clone()
 
 
 def summarise(stats: list[list[tuple[int, int, int]]]) -> dict:
@@ -200,16 +206,22 @@ class Objective(torch.nn.Module):
 
 
 class Trainer:
-    """Owns the head, optimiser, schedule and the resumable loop; features come from a Cached/LiveFeatures source."""
+    """Owns the head, optimiser, schedule and the resumable loop; features come from a Cached/LiveFeatures source.
+
+    A new head (`from_base=True`) starts where the base model ends; `from_base=False` trains on from the weights
+    the head has (fine-tuning a trained head on new data).
+    """
 
     def __init__(self, head: DraftHead, base_model, source, train_idx: list[int], val_idx: list[int],
-                 config: FitConfig, out: str | Path, accelerator: Accelerator | None = None):
+                 config: FitConfig, out: str | Path, accelerator: Accelerator | None = None, from_base: bool = True):
         self.config, self.out = config, Path(out)
         self.accelerator = accelerator or Accelerator(mixed_precision="bf16" if bf16_supported() else "no", cpu=not torch.cuda.is_available())
         self.source, self.train_idx, self.val_idx = source, train_idx, val_idx
         head.train().requires_grad_(True)
         head.attach(base_model)
-        objective = Objective(head, init_from_base(head, base_model), config)
+        if from_base:
+            init_from_base(head, base_model)
+        objective = Objective(head, target_rows(head, base_model), config)
         if head.kind == "eagle3" and not config.train_lm_head:
             head.lm_head.requires_grad_(False)
         lengths = [len(source.records[i]["input_ids"]) for i in train_idx]
@@ -296,7 +308,7 @@ class Trainer:
         """Train to the end of the schedule (or `max_steps` total, or a time budget); resumable; returns a summary."""
         resumed = self.resume()
         start_step, started = self.step, time.time()
-        stop = min(self.total_steps, max_steps or self.total_steps)
+        stop = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
         bar = tqdm(total=stop, initial=self.step, desc=f"fit {self.unwrapped.kind}", unit="step",
                    disable=not self.accelerator.is_main_process)
         running = None
