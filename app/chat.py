@@ -5,6 +5,7 @@ No Gradio here: the UI turns these updates into HTML, and tests drive the servic
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import closing
 from dataclasses import asdict, dataclass
 from typing import Iterator
@@ -83,12 +84,18 @@ class ChatService:
             dropped += 2  # one user message and the answer to it
 
     def stream(
-        self, prompt_ids: list[int], settings: Settings, baseline_source: str = "plain-decoding turns"
+        self, prompt_ids: list[int], settings: Settings, baseline_source: str = "plain-decoding turns",
+        every_s: float = 0.0,
     ) -> Iterator[tuple[Answer, TurnMeter]]:
-        """Answer a prompt, yielding after every round. Closing the iterator stops the engine at once."""
+        """Answer a prompt, yielding the first round, the last, and between them a round at most every `every_s`.
+
+        Each update costs the page a re-render that shares the CPU with decoding, so the UI asks for a few per
+        second rather than one per round. Closing the iterator stops the engine at its next update.
+        """
         answer, detokenizer = Answer(), TokenText(self.engine.tokenizer)
         turn = TurnMeter(settings.method)
         self._count(active=1)
+        shown_at = None
         try:
             with closing(self.engine.generate(prompt_ids, settings.method, **settings.decode_params())) as steps:
                 for i, step in enumerate(steps):
@@ -97,7 +104,10 @@ class ChatService:
                     self._count(rounds=1)
                     if step.finish_reason:
                         answer.finish(detokenizer)
-                    yield answer, turn
+                    now = time.perf_counter()
+                    if shown_at is None or step.finish_reason or now - shown_at >= every_s:
+                        shown_at = now
+                        yield answer, turn
         finally:
             self._count(active=-1)
             if settings.method == "vanilla" and turn.tokens >= MIN_BASELINE_TOKENS:

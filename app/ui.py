@@ -20,6 +20,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples.txt"
 EMPTY_HINT = "Type a message first: an empty message is not sent."
 BUSY_HINT = "An answer is still being written: wait for it or press Stop."
 STOP_WAIT_S = 60  # the longest a round can take to finish after Stop, on a slow machine
+UPDATE_EVERY_S = 0.1  # page updates while an answer streams: smooth to the eye, cheap on a 2-core machine
 LEGEND = (
     '<div class="legend"><span class="drafted">drafted by EAGLE and accepted</span>'
     '<span class="base">produced by the base model itself</span></div>'
@@ -68,7 +69,7 @@ class Handlers:
         return "", conversation, conversation.shown()
 
     def answer(self, conversation: Conversation, provenance: bool, *settings) -> Iterator[tuple]:
-        """Stream the answer to the waiting user message: one update per decoding round."""
+        """Stream the answer to the waiting user message, a few updates per second."""
         if conversation.busy or not conversation.waiting:
             yield conversation, conversation.shown(), gr.skip()
             return
@@ -78,7 +79,7 @@ class Handlers:
             settings = self.settings(*settings)
             ids, dropped = self.service.fit(conversation.messages(), settings.max_new_tokens)
             conversation.turns.append(reply)
-            for answer, meter in self.service.stream(ids, settings):
+            for answer, meter in self.service.stream(ids, settings, every_s=UPDATE_EVERY_S):
                 reply.text, reply.answer, reply.meter = answer.text, answer, meter
                 reply.html = render_answer(answer, provenance)
                 running = reply.meter.finish_reason is None
@@ -148,7 +149,7 @@ class Handlers:
             greedy = self.settings("eagle", 0.0, 1.0, max_new_tokens, total_tokens, depth)
             ids, _ = self.service.fit([{"role": "user", "content": text}], greedy.max_new_tokens)
             for method in ("vanilla", "eagle"):
-                for answer, turn in self.service.stream(ids, replace(greedy, method=method)):
+                for answer, turn in self.service.stream(ids, replace(greedy, method=method), every_s=UPDATE_EVERY_S):
                     panes[method], finished[method] = render_answer(answer, provenance), (answer, turn)
                     progress = _verdict(f"{METHOD_NAMES[method]} is answering…")
                     yield panes["vanilla"], panes["eagle"], progress, meter_html(turn, baseline, running=True)

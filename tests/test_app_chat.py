@@ -59,6 +59,15 @@ def test_stream_yields_one_update_per_round_with_every_token(engine, service):
     assert turn.finish_reason in ("eos", "length")
 
 
+def test_a_throttled_stream_skips_updates_but_no_tokens(engine, service):
+    ids = engine.encode_chat([{"role": "user", "content": "Hello there"}])
+    expected = list(engine.generate(ids, "eagle", max_new_tokens=16, total_tokens=8, depth=3))
+    updates = [(answer.ids[:], turn.rounds) for answer, turn in
+               service.stream(ids, Settings("eagle", max_new_tokens=16, total_tokens=8, depth=3), every_s=60)]
+    assert len(expected) > 2 and [rounds for _, rounds in updates] == [0, len(expected) - 1]  # first and last only
+    assert updates[-1][0] == tokens_of(expected)
+
+
 def test_closing_the_stream_stops_decoding_and_frees_the_engine(engine, service):
     ids = engine.encode_chat([{"role": "user", "content": "Tell me a long story"}])
     stream = service.stream(ids, Settings("vanilla", max_new_tokens=200))
@@ -148,13 +157,14 @@ def test_bad_settings_and_failures_never_show_a_traceback(handlers, monkeypatch)
 def test_stop_keeps_the_partial_answer_and_says_so(handlers, service):
     conversation = Conversation()
     handlers.add_message("Tell me a story", conversation)
-    updates = handlers.answer(conversation, True, *settings(max_new_tokens=64, method="vanilla"))
-    for _ in range(3):
+    updates = handlers.answer(conversation, True, *settings(max_new_tokens=1000, method="vanilla"))
+    for _ in range(2):
         next(updates)
     updates.close()  # Gradio closes the generator when Stop cancels the event
     assert not conversation.busy and service.active == 0
+    kept = len(conversation.last_answer().answer.ids)
     _, shown, meter = handlers.after_stop(conversation)
-    assert "Stopped after 3 tokens." in shown[-1]["content"]
+    assert 0 < kept < 1000 and f"Stopped after {kept} tokens." in shown[-1]["content"]
     assert 'data-state="idle"' in meter and "stopped" in meter
     assert conversation.messages()[-1]["role"] == "assistant"  # the partial answer stays in the history
 
