@@ -13,7 +13,7 @@ from app.zerogpu import on_gpu  # before torch: on ZeroGPU hardware `spaces` mus
 from engine import CheckpointError, Engine
 from engine.models import DTYPES, QUANTIZATIONS
 
-from app.chat import ChatService
+from app.chat import ChatService, EngineThread
 from app.ui import CSS, build_demo
 
 CALIBRATION_TOKENS = 24
@@ -53,14 +53,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     head = None if args.head.lower() == "none" else args.head
+    engine_thread = EngineThread()  # loads the model and runs every step of every answer (see app/chat.py)
     try:
-        engine = Engine.load(
+        engine = engine_thread.call(
+            Engine.load,
             args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
             max_memory=args.max_memory,
         )
     except (CheckpointError, ValueError, OSError, ImportError) as err:  # bad paths, sizes, devices, packages
         raise SystemExit(f"app.py: error: {err}") from None
-    service = ChatService(engine)
+    service = ChatService(engine, engine_thread)
     service.stream = on_gpu(service.stream)  # the generation function, under spaces.GPU on ZeroGPU hardware
     logging.info("measuring plain decoding speed for the meter (%d tokens)…", CALIBRATION_TOKENS)
     service.calibrate(CALIBRATION_TOKENS)

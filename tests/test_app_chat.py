@@ -59,6 +59,20 @@ def test_stream_yields_one_update_per_round_with_every_token(engine, service):
     assert turn.finish_reason in ("eos", "length")
 
 
+def test_every_engine_step_runs_on_the_one_engine_thread(engine, service):
+    threads = []
+    hook = engine.target.body.register_forward_pre_hook(lambda *_: threads.append(threading.current_thread().name))
+    try:
+        ids = engine.encode_chat([{"role": "user", "content": "Hello there"}])
+        for _ in range(2):  # two turns, each driven from a thread of its own, as Gradio does
+            worker = threading.Thread(target=lambda: list(service.stream(ids, Settings("eagle", max_new_tokens=8))))
+            worker.start()
+            worker.join(60)
+    finally:
+        hook.remove()
+    assert len(threads) > 4 and len(set(threads)) == 1 and threads[0].startswith("engine")
+
+
 def test_a_throttled_stream_skips_updates_but_no_tokens(engine, service):
     ids = engine.encode_chat([{"role": "user", "content": "Hello there"}])
     expected = list(engine.generate(ids, "eagle", max_new_tokens=16, total_tokens=8, depth=3))
