@@ -57,7 +57,7 @@ def test_eagle_greedy_equals_vanilla_with_real_acceptance(engine):
         forwards += len(steps) - 1
         produced += len(vanilla) - 1
     tau = produced / forwards
-    assert tau > 1.5, f"τ {tau:.2f}: the shipped head should accept drafts (1.78 on these prompts, 1.89 on MT-bench)"
+    assert tau > 1.5, f"τ {tau:.2f}: the shipped head should accept drafts (1.81 on these prompts, 1.91 on MT-bench)"
 
 
 def test_static_tree_is_lossless_too(engine):
