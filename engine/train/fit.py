@@ -160,17 +160,17 @@ def target_rows(head: DraftHead, base_model) -> torch.Tensor | None:
     return (weight[head.t2d] if head.has_vocab_map else weight).clone()
 
 
-def init_from_base(head: DraftHead, base_model) -> None:
+def init_from_base(head: DraftHead, base_model, rows: torch.Tensor | None) -> None:
     """Start a new EAGLE-3 head where the base model ends, so a short run does not spend its steps finding it.
 
-    The LM head and final norm copy the base model's (rows of the draft vocabulary), and the fused-feature
-    projection passes the highest fused layer through unchanged: the head's first guess is the base model's own
-    late-layer prediction.
+    The LM head copies `rows` (target_rows: the base LM-head rows of the draft vocabulary), the final norm copies
+    the base model's, and the fused-feature projection passes the highest fused layer through unchanged: the
+    head's first guess is the base model's own late-layer prediction. EAGLE-1 heads (rows None) stay as they are.
     """
     if head.kind != "eagle3":
         return
     with torch.no_grad():
-        head.lm_head.weight.copy_(target_rows(head, base_model))
+        head.lm_head.weight.copy_(rows)
         norm = getattr(base_model.get_decoder(), "norm", None)
         if norm is not None:
             head.norm.weight.copy_(norm.weight.float())
@@ -219,9 +219,10 @@ class Trainer:
         self.source, self.train_idx, self.val_idx = source, train_idx, val_idx
         head.train().requires_grad_(True)
         head.attach(base_model)
+        rows = target_rows(head, base_model)
         if from_base:
-            init_from_base(head, base_model)
-        objective = Objective(head, target_rows(head, base_model), config)
+            init_from_base(head, base_model, rows)
+        objective = Objective(head, rows, config)
         if head.kind == "eagle3" and not config.train_lm_head:
             head.lm_head.requires_grad_(False)
         lengths = [len(source.records[i]["input_ids"]) for i in train_idx]
