@@ -37,7 +37,7 @@ class Engine:
         pack: bool = False,
     ):
         """pack: replace the CPU linear layers of model and head by oneDNN-packed ones (engine.packed), in place."""
-        self.model, self.tokenizer, self.head = model, tokenizer, head
+        self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
         self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
         text_config = model.config.get_text_config()
         self.target = Target(model, head.feature_layers(text_config.num_hidden_layers) if head else None)
@@ -77,11 +77,15 @@ class Engine:
         model, tokenizer = load_base(
             base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
         )
-        on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
-        if head_dtype is None and pack and on_cpu and bf16_native():
-            head_dtype = "bfloat16"
-        draft = load_head(head, model, resolve_dtype(head_dtype) if head_dtype else None) if head else None
+        draft = _load_head(head, model, head_dtype, pack) if head else None
         return cls(model, tokenizer, draft, pack=pack)
+
+    def with_head(self, head: str | Path, head_dtype: str | None = None) -> "Engine":
+        """Another engine on this one's base model (shared, not copied) that drafts with another head: for comparing
+        heads side by side. The two share one lock, as they share the model: one generation at a time."""
+        other = Engine(self.model, self.tokenizer, _load_head(head, self.model, head_dtype, self.pack), pack=self.pack)
+        other._lock = self._lock
+        return other
 
     @property
     def max_context(self) -> int:
@@ -128,3 +132,11 @@ class Engine:
         ids = [tok for step in self.chat(messages, method, **params) for tok in step.tokens]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+
+def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None, pack: bool) -> DraftHead:
+    """Load a head for `model`; head_dtype None means bfloat16 for a packed head on a CPU with native bf16, else the
+    base model's dtype."""
+    on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
+    if head_dtype is None and pack and on_cpu and bf16_native():
+        head_dtype = "bfloat16"
+    return load_head(head, model, resolve_dtype(head_dtype) if head_dtype else None)

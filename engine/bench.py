@@ -5,6 +5,8 @@ Methods:
   eagle    the engine with its draft head (EAGLE trees, lossless verification)
   hf       transformers `generate` on the same model and dtype, as transformers runs it (stock linear layers)
   hf-pld   transformers prompt lookup decoding (prompt_lookup_num_tokens=10)
+  NAME     with --compare-head NAME=HEAD: the engine drafting with another head (say an EAGLE-1 head beside the
+           shipped EAGLE-3 one), on the same base model in the same run
 
 On the CPU the engine's linear layers are packed for oneDNN (engine/packed.py; --no-pack turns that off), so
 hf and hf-pld get a second, unpacked copy of the model: they measure transformers itself.
@@ -46,7 +48,6 @@ from .generate import TREES, DecodeParams, Step
 from .models import DTYPES, QUANTIZATIONS, load_base
 
 METHODS = ("vanilla", "eagle", "hf", "hf-pld")
-ENGINE_METHODS = ("vanilla", "eagle")
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
 COLORS = {"vanilla": "#7f7f7f", "eagle": "#d62728", "hf": "#1f77b4", "hf-pld": "#2ca02c"}
@@ -148,10 +149,26 @@ def run_hf(engine: Engine, model: PreTrainedModel, prompt: list[int], params: di
     return Run(tokens if stop is None else tokens[: stop + 1], wall, calls[0])
 
 
-def run_method(engine: Engine, hf_model: PreTrainedModel, method: str, prompt: list[int], params: dict) -> Run:
-    if method in ENGINE_METHODS:
-        return run_engine(engine, method, prompt, params)
-    return run_hf(engine, hf_model, prompt, params, lookup=method == "hf-pld")
+def parse_compare_heads(specs: list[str]) -> dict[str, str]:
+    """--compare-head NAME=HEAD options as {method name: head}; a name may not shadow a method or repeat."""
+    heads: dict[str, str] = {}
+    for spec in specs:
+        name, sep, head = spec.partition("=")
+        name, head = name.strip(), head.strip()
+        if not sep or not name or not head:
+            raise ValueError(f"--compare-head takes NAME=HEAD (say eagle1=runs/e1/head), got {spec!r}")
+        if name in METHODS or name in heads:
+            raise ValueError(f"--compare-head name {name!r} is already a method; pick another")
+        heads[name] = head
+    return heads
+
+
+def run_method(engines: dict[str, Engine], hf_model: PreTrainedModel, method: str, prompt: list[int],
+               params: dict) -> Run:
+    """engines: the main engine under "vanilla" and "eagle", and one per --compare-head name."""
+    if method in engines:
+        return run_engine(engines[method], "vanilla" if method == "vanilla" else "eagle", prompt, params)
+    return run_hf(engines["vanilla"], hf_model, prompt, params, lookup=method == "hf-pld")
 
 
 def _mean_ms(values: list[float]) -> float | None:
@@ -247,7 +264,7 @@ def plot(summary: dict, out: str | Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     for ax, key, label in zip(axes, ("tokens_per_s", "tau"), ("tokens / s", "τ (new tokens per base forward)")):
         values = [summary[m][key] or 0.0 for m in methods]
-        bars = ax.bar(methods, values, color=[COLORS[m] for m in methods])
+        bars = ax.bar(methods, values, color=[COLORS.get(m, "#9467bd") for m in methods])
         ax.bar_label(bars, fmt="%.2f")
         ax.set_ylabel(label)
         ax.margins(y=0.15)
@@ -276,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="base model: .gguf file, folder or hub id; unset = the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--head", default="default",
                         help="draft head folder or hub id; 'default' = the shipped head, 'none' = no head")
+    parser.add_argument("--compare-head", action="append", default=[], metavar="NAME=HEAD",
+                        help="also run the engine with this head, as method NAME (repeatable)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype of the base model")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (every GPU)")
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="bitsandbytes weights")
@@ -298,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     try:
         methods = parse_methods(args.methods)
+        compare_heads = parse_compare_heads(args.compare_head)
         if args.limit < 1:
             raise ValueError(f"--limit must be at least 1, got {args.limit}")
         questions = load_questions(args.questions, args.limit)
@@ -319,6 +339,13 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(err))
     if curve_sizes:
         return print_curve(engine, curve_sizes)
+    engines = {"vanilla": engine, "eagle": engine}
+    for name, compare_head in compare_heads.items():
+        try:
+            engines[name] = engine.with_head(compare_head)
+        except (ValueError, OSError) as err:
+            parser.error(f"--compare-head {name}: {err}")
+        methods.append(name)
     head_name = (str(DEFAULT_HEAD) if head == "default" else head) if engine.head else None
     if "eagle" in methods and engine.head is None:
         reason = "--head none" if head is None else f"the shipped head {DEFAULT_HEAD} is missing or not for this base"
@@ -336,17 +363,17 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"question {q['question_id']}: {err}")
 
     hf_model = engine.model
-    if any(m.startswith("hf") for m in methods) and engine.packed_layers:
+    if {"hf", "hf-pld"} & set(methods) and engine.packed_layers:
         hf_model, _ = load_base(args.base, dtype=args.dtype, device=args.device, quantization=args.quantization)
     warmup = {**params, "max_new_tokens": min(WARMUP_TOKENS, args.max_new_tokens)}
     for method in methods:
-        run_method(engine, hf_model, method, prompts[0], warmup)
+        run_method(engines, hf_model, method, prompts[0], warmup)
     runs: dict[str, list[Run]] = {m: [] for m in methods}
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen") as bar:
         for i, (q, prompt) in enumerate(zip(questions, prompts)):
             for method in methods[i % len(methods):] + methods[: i % len(methods)]:
                 bar.set_postfix(question=q["question_id"], method=method)
-                runs[method].append(run_method(engine, hf_model, method, prompt, params))
+                runs[method].append(run_method(engines, hf_model, method, prompt, params))
                 bar.update()
 
     baseline = runs.get("vanilla")
@@ -356,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "config": {
             "base": args.base or "embedded SmolLM2-135M-Instruct", "head": head_name,
-            "dtype": args.dtype, "device": args.device, "questions": str(args.questions), "count": len(questions),
+            "compare_heads": compare_heads, "dtype": args.dtype, "device": args.device, "questions": str(args.questions), "count": len(questions),
             "methods": methods, "date": date, "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": torch.get_num_threads(), "packed": args.pack, **params,
         },

@@ -29,6 +29,7 @@ def assets(tmp_path_factory):
     model.save_pretrained(root / "base")
     load_tokenizer().save_pretrained(root / "base")
     save_head(new_head("eagle3", config), root / "head")
+    save_head(new_head("eagle1", config), root / "head1")
     questions = root / "questions.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     return root
@@ -38,7 +39,7 @@ def assets(tmp_path_factory):
 def report(assets):
     argv = [
         "--base", str(assets / "base"), "--head", str(assets / "head"), "--questions", str(assets / "questions.jsonl"),
-        "--max-new-tokens", str(MAX_NEW), "--methods", ",".join(METHODS),
+        "--max-new-tokens", str(MAX_NEW), "--methods", ",".join(METHODS), "--compare-head", f"e1={assets / 'head1'}",
         "--total-tokens", "6", "--depth", "2", "--draft-top-k", "3",
         "--json", str(assets / "out.json"), "--plot", str(assets / "out.png"),
     ]
@@ -47,7 +48,8 @@ def report(assets):
 
 def test_json_schema_and_tau(assets, report):
     saved = json.loads((assets / "out.json").read_text())
-    assert saved["summary"].keys() == set(METHODS)
+    assert saved["summary"].keys() == {*METHODS, "e1"}
+    assert saved["config"]["compare_heads"] == {"e1": str(assets / "head1")}
     assert saved["config"]["packed"] is True  # the engine packs; hf and hf-pld ran on an unpacked copy
     for method, s in saved["summary"].items():
         for key in ("tokens", "wall_s", "tokens_per_s", "tau", "draft_ms", "verify_ms", "other_ms", "matches_vanilla"):
@@ -56,19 +58,20 @@ def test_json_schema_and_tau(assets, report):
         assert s["wall_s"] > 0 and s["tokens_per_s"] == pytest.approx(s["tokens"] / s["wall_s"])
     assert [q["question_id"] for q in saved["questions"]] == [1, 2]
     for q in saved["questions"]:
-        for method in METHODS:
+        for method in (*METHODS, "e1"):
             result = q["results"][method]
             assert 1 <= len(result["token_ids"]) <= MAX_NEW and result["wall_s"] > 0 and result["target_forwards"] >= 1
     assert saved["summary"]["vanilla"]["tau"] == 1.0 and saved["summary"]["vanilla"]["speedup_vs_vanilla"] == 1.0
     assert saved["summary"]["hf"]["tau"] == 1.0  # plain generate: one forward per token, counted by the hook
     assert saved["summary"]["eagle"]["tau"] >= 1.0
     assert saved["summary"]["eagle"]["draft_ms"] > 0 and saved["summary"]["hf"]["draft_ms"] is None
+    assert saved["summary"]["e1"]["tau"] >= 1.0 and saved["summary"]["e1"]["draft_ms"] > 0  # the EAGLE-1 head drafted
 
 
 def test_greedy_methods_equal_vanilla(report):
     for q in report["questions"]:
         vanilla = q["results"]["vanilla"]["token_ids"]
-        for method in ("eagle", "hf", "hf-pld"):
+        for method in ("eagle", "hf", "hf-pld", "e1"):
             assert q["results"][method]["token_ids"] == vanilla, (q["question_id"], method)
     assert all(s["matches_vanilla"] == len(QUESTIONS) for s in report["summary"].values())
 
@@ -96,6 +99,22 @@ def test_missing_head_is_refused(assets, tmp_path, capsys):
         main(["--base", str(assets / "base"), "--head", str(tmp_path / "nowhere"),
               "--questions", str(assets / "questions.jsonl")])
     assert "nowhere" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("e1", "takes NAME=HEAD"), ("eagle=x", "already a method"), ("=x", "takes NAME=HEAD"),
+])
+def test_bad_compare_head_is_refused(assets, capsys, spec, message):
+    with pytest.raises(SystemExit):
+        main(["--questions", str(assets / "questions.jsonl"), "--compare-head", spec])
+    assert message in capsys.readouterr().err
+
+
+def test_compare_head_that_does_not_fit_is_named(assets, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--base", str(assets / "base"), "--head", "none", "--questions", str(assets / "questions.jsonl"),
+              "--methods", "vanilla", "--compare-head", f"e1={tmp_path / 'nowhere'}"])
+    assert "--compare-head e1:" in capsys.readouterr().err
 
 
 def test_malformed_question_line_is_named(assets, tmp_path, capsys):

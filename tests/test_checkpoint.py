@@ -96,6 +96,8 @@ def test_save_then_load_round_trips_exactly(writer, model, tmp_path, prompt):
     for key, tensor in head.state_dict().items():
         assert torch.equal(tensor, again.state_dict()[key]), key
     assert json.loads((tmp_path / "again" / "config.json").read_text())["num_hidden_layers"] == 1
+    weights_mode = (tmp_path / "again" / "model.safetensors").stat().st_mode & 0o777
+    assert weights_mode == (tmp_path / "again" / "config.json").stat().st_mode & 0o777  # as the umask says, not 0600
     runs = [list(Engine(model, IdsOnlyTokenizer(), h).generate(prompt, "eagle", max_new_tokens=40)) for h in (head, again)]
     assert [s.tokens for s in runs[0]] == [s.tokens for s in runs[1]]
 
