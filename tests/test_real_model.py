@@ -1,4 +1,5 @@
-"""End to end on the embedded SmolLM2-135M-Instruct with the shipped EAGLE-3 head, in float32."""
+"""End to end on the embedded SmolLM2-135M-Instruct with the shipped EAGLE-3 head (and the EAGLE-1 comparison head),
+in float32."""
 import json
 from pathlib import Path
 
@@ -58,6 +59,16 @@ def test_eagle_greedy_equals_vanilla_with_real_acceptance(engine):
         produced += len(vanilla) - 1
     tau = produced / forwards
     assert tau > 1.5, f"τ {tau:.2f}: the shipped head should accept drafts (1.81 on these prompts, 1.91 on MT-bench)"
+
+
+def test_shipped_eagle1_head_is_lossless_with_real_acceptance(engine):
+    eagle1 = engine.with_head(DEFAULT_HEAD.parent / "smollm2-135m-eagle1")
+    assert eagle1.head.kind == "eagle1" and eagle1.model is engine.model
+    ids = engine.encode_chat([{"role": "user", "content": _prompts(1)[0]}])
+    vanilla = tokens_of(engine.generate(ids, "vanilla", max_new_tokens=48))
+    steps = list(eagle1.generate(ids, "eagle", max_new_tokens=48))
+    assert tokens_of(steps) == vanilla
+    assert sum(s.accepted for s in steps) > 0, "the EAGLE-1 head accepted no draft"
 
 
 def test_static_tree_is_lossless_too(engine):
