@@ -1,8 +1,11 @@
 """Greedy EAGLE output must equal plain greedy decoding token for token, for every head kind and tree."""
+import threading
+
 import pytest
 import torch
 
-from conftest import SHAPES, tiny_engine, tokens_of
+from conftest import SHAPES, random_head, tiny_engine, tokens_of
+from engine.draft.checkpoint import save_head
 
 NEW_TOKENS = 80
 
@@ -57,3 +60,27 @@ def test_stops_at_eos_and_max_new_tokens(prompt):
         assert steps[-1].finish_reason == "eos"
         capped = list(engine.generate(prompt, method, max_new_tokens=first))
         assert tokens_of(capped) == reference[:first] and capped[-1].finish_reason == "length"
+
+
+def test_an_engine_with_another_head_shares_the_model_and_takes_turns(prompt, tmp_path):
+    """Engine.with_head (the benchmark's --compare-head): same model object, lossless, and one generation at a time."""
+    engine = tiny_engine("llama-h64-l8-gqa", "eagle3")
+    save_head(random_head(engine.model, "eagle1", seed=5), tmp_path / "eagle1")
+    other = engine.with_head(tmp_path / "eagle1")
+    assert other.model is engine.model and other.head.kind == "eagle1"
+    vanilla = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=NEW_TOKENS))
+
+    first = engine.generate(prompt, "eagle", max_new_tokens=NEW_TOKENS)
+    head_start = next(first).tokens  # `engine` is mid-generation: the other one must wait for it
+    result = {}
+
+    def run_other():
+        result["tokens"] = tokens_of(other.generate(prompt, "eagle", max_new_tokens=NEW_TOKENS))
+
+    waiting = threading.Thread(target=run_other)
+    waiting.start()
+    waiting.join(timeout=1.0)
+    assert waiting.is_alive(), "the second engine ran while the first was generating on the same model"
+    assert head_start + tokens_of(first) == vanilla
+    waiting.join(timeout=60)
+    assert result["tokens"] == vanilla
