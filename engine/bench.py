@@ -383,7 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "config": {
             "base": args.base or "embedded SmolLM2-135M-Instruct", "head": head_name,
-            "compare_heads": compare_heads, "dtype": args.dtype, "device": args.device, "questions": str(args.questions), "count": len(questions),
+            "compare_heads": compare_heads, "dtype": args.dtype, "device": args.device,
+            "questions": str(args.questions), "count": len(questions),
             "methods": methods, "date": date, "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": torch.get_num_threads(), "packed": args.pack, **params,
         },

@@ -159,7 +159,7 @@ def save_head(head: DraftHead, folder: str | Path, dtype: torch.dtype | None = N
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         state[key] = tensor.detach().cpu().contiguous()
-    # Written as plain bytes, not with save_file, which creates the file owner-only (0600): a head is meant to be shared.
+    # Plain bytes, not save_file, which creates the file owner-only (0600): a head is meant to be shared.
     (folder / "model.safetensors").write_bytes(save(state, metadata={"format": "pt"}))
     config = head.config.to_dict()
     config["torch_dtype"] = str(dtype or head.fc.weight.dtype).removeprefix("torch.")
