@@ -33,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--head", default="default",
         help='EAGLE head folder or hub id; "default": the shipped head of the default base; "none": plain decoding')
     add("--device", default="auto", help="cpu, cuda, cuda:N, or auto (every GPU, else the CPU)")
-    add("--dtype", default="float32", choices=list(DTYPES))
+    add("--dtype", default="auto", choices=["auto", *DTYPES],
+        help="auto: bfloat16 on a CPU with native bf16 (exact and faster there), else float32")
     add("--quantization", default="none", choices=list(QUANTIZATIONS),
         help="bitsandbytes weights, for Hugging Face checkpoints")
     add("--max-memory", help="with --device auto on several GPUs: the most each GPU may hold, e.g. 20GiB")

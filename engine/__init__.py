@@ -11,8 +11,10 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .attention import use_wide_attention
 from .draft.checkpoint import DEFAULT_HEAD, CheckpointError, load_head
 from .draft.drafter import Drafter
 from .draft.head import DraftHead
@@ -36,9 +38,12 @@ class Engine:
         *,
         pack: bool = False,
     ):
-        """pack: replace the CPU linear layers of model and head by oneDNN-packed ones (engine.packed), in place."""
+        """pack: replace the CPU linear layers of model and head by oneDNN-packed ones (engine.packed) and, for a
+        model wholly on the CPU, its attention by engine.attention's: every row of a forward then comes out the same
+        bits whatever the batch, so verification agrees exactly with one-token decoding. Changes the model in place."""
         self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
         self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
+        self.wide_attention = pack and use_wide_attention(model)
         text_config = model.config.get_text_config()
         self.target = Target(model, head.feature_layers(text_config.num_hidden_layers) if head else None)
         self._lock = threading.Lock()
@@ -55,7 +60,7 @@ class Engine:
         head: str | Path | None = "default",
         *,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = "auto",
         head_dtype: str | None = None,
         quantization: str = "none",
         attn: str = "sdpa",
@@ -64,8 +69,10 @@ class Engine:
     ) -> "Engine":
         """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise.
 
+        dtype "auto" is bfloat16 where the engine is exact and faster in it (see _auto_dtype), float32 elsewhere;
         quantization, attn and max_memory (a per-GPU cap for device="auto") are explained in engine.models;
-        pack packs the linear layers that run on the CPU for oneDNN (engine.packed), changing the model in place.
+        pack packs the linear layers that run on the CPU for oneDNN (engine.packed) and gives a model wholly on the
+        CPU engine.attention's attention (whatever attn says), changing the model in place.
         head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16; the
         head's precision never changes the output (verification decides), only how fast and how well it drafts.
         """
@@ -74,6 +81,8 @@ class Engine:
         if head and attn == "flash_attention_2":
             raise ValueError("flash_attention_2 cannot apply the tree mask that EAGLE verification needs: "
                              "use attn='sdpa' with a draft head (flash_attention_2 serves plain decoding only)")
+        if dtype == "auto":
+            dtype = _auto_dtype(device, quantization, pack)
         model, tokenizer = load_base(
             base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
         )
@@ -131,6 +140,14 @@ class Engine:
         """Text in, text out: the assistant's whole reply."""
         ids = [tok for step in self.chat(messages, method, **params) for tok in step.tokens]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _auto_dtype(device: str, quantization: str, pack: bool) -> str:
+    """bfloat16 for a packed model on a CPU that multiplies bf16 natively: it reads half the bytes of float32, and
+    packed layers with engine.attention keep every row batch-invariant, so verification is exact in it. float32
+    elsewhere: GPU kernels and quantized layers round a tree forward differently from one-token decoding."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return "bfloat16" if pack and on_cpu and quantization == "none" and bf16_native() else "float32"
 
 
 def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None, pack: bool) -> DraftHead:

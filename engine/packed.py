@@ -3,11 +3,14 @@
 A plain `nn.Linear` on the CPU re-lays its weight out for the matmul kernel on every call. For a small model that
 is memory-bound per token, this costs as much as the matmul itself: packing once halves a one-token forward and
 makes a forward over a few dozen tree tokens cost little more than one token (measured in README, "CPU kernels").
-The packed layer computes the same products in the same order for every batch of two or more rows, so a tree
-forward and the same tokens fed in a larger batch agree bit for bit; a one-row product may differ in the last bit,
-as it already does for `nn.Linear`.
+The packed layer computes the same products in the same order for every batch of two or more rows. For some shapes
+oneDNN gives a lone row (one-token decoding) another kernel that sums in another order; such a row goes through as
+two. Every row thus comes out the same bits whatever the batch, and a tree forward agrees with one-token decoding
+(see engine.attention).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -38,14 +41,47 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        lone_row_sums_differently(  # measured now, at load, rather than in the first decoding step
+            self.in_features, self.out_features, linear.weight.dtype, self.bias is not None, torch.get_num_threads()
+        )
         # An empty stand-in: code that asks a layer for its weight's dtype or device keeps working.
         self.register_buffer("weight", linear.weight.new_empty(0), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.numel() == self.in_features and lone_row_sums_differently(
+            self.in_features, self.out_features, self.weight.dtype, self.bias is not None, torch.get_num_threads()
+        ):
+            pair = x.reshape(1, -1).expand(2, -1).contiguous()  # as two rows, for the kernel every batch gets
+            return _multiply(pair, self.packed, self.bias)[:1].view(*x.shape[:-1], self.out_features)
+        return _multiply(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _multiply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.cache
+def lone_row_sums_differently(
+    in_features: int, out_features: int, dtype: torch.dtype, bias: bool, threads: int
+) -> bool:
+    """Whether oneDNN multiplies a single row in another order than a batch, for this shape, dtype and thread count.
+
+    Measured once, on weights of +-1 and inputs of +-2^k spread over 24 octaves: the products are exact and their
+    sums cancel, so any change of summation order shows in the result, in bfloat16 outputs too. Padding every lone
+    row instead would cost ~10 % of a float32 step, where most shapes need none.
+    """
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).sign().to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+    bias_row = torch.randn(out_features, generator=generator).to(dtype) if bias else None
+    rows = max(2, min(256, 2**17 // out_features))
+    octaves = torch.randint(-12, 13, (rows, in_features), generator=generator).to(torch.float32)
+    x = (torch.randn(rows, in_features, generator=generator).sign() * 2.0**octaves).to(dtype)
+    together = _multiply(x, packed, bias_row)
+    return any(not torch.equal(_multiply(x[i : i + 1], packed, bias_row), together[i : i + 1]) for i in range(rows))
 
 
 def pack_linears(model: nn.Module) -> int:

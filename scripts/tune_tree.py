@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--base", default=None)
     parser.add_argument("--head", default="default")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--total-tokens", default="8,12,16,24,32", help="comma-separated values to try")
     parser.add_argument("--depth", default="3,4,5,6")
     parser.add_argument("--draft-top-k", default="4,8")

@@ -27,14 +27,14 @@ class IdsOnlyTokenizer:
     eos_token_id = None
 
 
-def tiny_base(shape: str, vocab: int = VOCAB, seed: int = 0):
+def tiny_base(shape: str, vocab: int = VOCAB, seed: int = 0, dtype: torch.dtype = torch.float32):
     config_cls, model_cls, sizes = SHAPES[shape]
     torch.manual_seed(seed)
     config = config_cls(
         vocab_size=vocab, intermediate_size=96, initializer_range=0.25, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
         pad_token_id=None, **sizes,
     )
-    model = model_cls(config).eval().requires_grad_(False)
+    model = model_cls(config).to(dtype).eval().requires_grad_(False)
     model.generation_config.eos_token_id = None
     return model
 
@@ -50,8 +50,10 @@ def random_head(model, kind: str, seed: int = 1):
     return place_head(head, model)
 
 
-def tiny_engine(shape: str, kind: str | None, vocab: int = VOCAB, pack: bool = False) -> Engine:
-    model = tiny_base(shape, vocab)
+def tiny_engine(
+    shape: str, kind: str | None, vocab: int = VOCAB, pack: bool = False, dtype: torch.dtype = torch.float32
+) -> Engine:
+    model = tiny_base(shape, vocab, dtype=dtype)
     return Engine(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=pack)
 
 

@@ -41,6 +41,7 @@ def report(assets):
         "--base", str(assets / "base"), "--head", str(assets / "head"), "--questions", str(assets / "questions.jsonl"),
         "--max-new-tokens", str(MAX_NEW), "--methods", ",".join(METHODS), "--compare-head", f"e1={assets / 'head1'}",
         "--total-tokens", "6", "--depth", "2", "--draft-top-k", "3",
+        "--dtype", "float32",  # where hf (transformers' kernels) must equal vanilla too
         "--json", str(assets / "out.json"), "--plot", str(assets / "out.png"),
     ]
     return main(argv)
@@ -81,6 +82,18 @@ def test_mismatch_is_warned():
     assert exactness_warnings(summary, 3) == [
         "WARNING: eagle matched vanilla's greedy tokens on only 2/3 questions (expected all at temperature 0)"
     ]
+    summary["hf"]["matches_vanilla"] = 1  # hf in another dtype than the engine: reported, not warned
+    assert len(exactness_warnings(summary, 3, exempt={"hf"})) == 1
+
+
+def test_hf_can_run_in_another_dtype(assets, capsys):
+    report = main([
+        "--base", str(assets / "base"), "--head", "none", "--questions", str(assets / "questions.jsonl"),
+        "--max-new-tokens", str(MAX_NEW), "--methods", "vanilla,hf", "--dtype", "bfloat16", "--hf-dtype", "float32",
+    ])
+    assert report["config"]["dtype"] == "bfloat16" and report["config"]["hf_dtype"] == "float32"
+    assert report["summary"]["hf"]["tau"] == 1.0
+    assert "note: hf ran in float32, the engine in bfloat16" in capsys.readouterr().out
 
 
 def test_plot_is_png(assets, report):

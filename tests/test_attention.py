@@ -1,0 +1,110 @@
+"""Wide (float64) attention: the same results as SDPA, and rows that do not depend on what shares their forward."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import IdsOnlyTokenizer
+from engine import Engine
+from engine.attention import NAME, wide_attention
+from engine.cache import truncate
+from engine.packed import packing_available
+
+
+class GroupedAttention(torch.nn.Module):
+    num_key_value_groups = 3
+
+
+def _qkv(rows: int, length: int, dtype: torch.dtype, heads: int = 9, kv_heads: int = 3, dim: int = 64):
+    torch.manual_seed(0)
+    return (
+        torch.randn(1, heads, rows, dim, dtype=dtype),
+        torch.randn(1, kv_heads, length, dim, dtype=dtype),
+        torch.randn(1, kv_heads, length, dim, dtype=dtype),
+    )
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_wide_attention_computes_what_sdpa_does(dtype, tolerance, mask_kind):
+    q, k, v = _qkv(rows=5, length=40, dtype=dtype)
+    visible = torch.rand(5, 40, generator=torch.Generator().manual_seed(1)) < 0.6
+    visible[:, 0] = True
+    mask = {"none": None, "bool": visible[None, None], "additive": _additive(visible, dtype)}[mask_kind]
+    out, _ = wide_attention(GroupedAttention(), q, k, v, mask, scaling=0.1)
+    expected = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if mask is None else visible[None, None], scale=0.1, is_causal=mask is None,
+        enable_gqa=True,
+    )
+    if mask is None:  # causal, aligned to the end of the keys (new queries after a cache)
+        causal = torch.ones(5, 40, dtype=torch.bool).tril(35)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal[None, None], scale=0.1, enable_gqa=True)
+    assert out.shape == (1, 5, 9, 64) and out.dtype == dtype
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_batch_or_key_layout(dtype):
+    """One query at a time over a growing cache (decoding) vs all at once vs a tree layout with masked nodes between
+    the path's keys: the same bits. torch's SDPA fails this on the same tensors."""
+    prefix, rows = 300, 12
+    q, k, v = _qkv(rows, prefix + rows, dtype)
+    attn = GroupedAttention()
+    one_by_one = torch.cat([
+        wide_attention(attn, q[:, :, i : i + 1], k[:, :, : prefix + i + 1], v[:, :, : prefix + i + 1], None)[0]
+        for i in range(rows)
+    ], dim=1)
+    together, _ = wide_attention(attn, q, k, v, None)
+    assert torch.equal(together, one_by_one)
+    # The same path as nodes of a 2*rows tree: path node i at slot 2i+1, a masked sibling at 2i.
+    slots = torch.arange(rows) * 2 + 1
+    k_tree, v_tree = (torch.cat([x[:, :, :prefix], torch.randn(1, 3, 2 * rows, 64, dtype=dtype)], 2) for x in (k, v))
+    k_tree[:, :, prefix + slots], v_tree[:, :, prefix + slots] = k[:, :, prefix:], v[:, :, prefix:]
+    visible = torch.zeros(rows, prefix + 2 * rows, dtype=torch.bool)
+    visible[:, :prefix] = True
+    for i in range(rows):
+        visible[i, prefix + slots[: i + 1]] = True
+    in_tree, _ = wide_attention(attn, q, k_tree, v_tree, _additive(visible, dtype))
+    assert torch.equal(in_tree, one_by_one)
+
+
+def _small_engine(dtype: torch.dtype) -> Engine:
+    """Big enough for oneDNN's one-row kernel to round differently from its batched one (intermediate 1536)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=192, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(config).to(dtype).eval().requires_grad_(False)
+    return Engine(model, IdsOnlyTokenizer(), pack=True)
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_cpu_forward_scores_a_tree_exactly_as_decoding_does(dtype):
+    engine = _small_engine(dtype)
+    assert engine.wide_attention and engine.model.config._attn_implementation == NAME
+    target, cache = engine.target, engine.target.new_cache()
+    prefix = 200
+    target.forward(torch.randint(0, 256, (prefix,)), cache)
+    path = torch.randint(0, 256, (8,))
+    decoded = []
+    for i in range(len(path)):
+        hidden, _ = target.forward(path[i : i + 1], cache)
+        decoded.append(target.logits(hidden[-1]))
+    truncate(cache, prefix)
+    # The path inside a 16-node tree whose other nodes it does not see.
+    slots = torch.tensor([0, 2, 3, 6, 7, 9, 12, 15])
+    tokens, depths = torch.randint(0, 256, (16,)), torch.zeros(16, dtype=torch.long)
+    tokens[slots], depths[slots] = path, torch.arange(8)
+    visible = torch.zeros(16, prefix + 16, dtype=torch.bool)
+    visible[:, :prefix] = True
+    visible[torch.arange(16), prefix + torch.arange(16)] = True
+    for i, slot in enumerate(slots):
+        visible[slot, prefix + slots[: i + 1]] = True
+    hidden, _ = target.forward(tokens, cache, prefix + depths, visible)
+    assert torch.equal(target.logits(hidden[slots]), torch.stack(decoded))
