@@ -11,6 +11,7 @@ import torch
 from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase,
 )
+from transformers.utils.quantization_config import GgufConfig
 
 from .placement import gpu_budgets, plan_device_map
 
@@ -167,6 +168,10 @@ def load_model(
         kwargs["device_map"] = plan_device_map(config, dtype, quantization, gpu_budgets(max_memory))
     elif quantize is not None:
         kwargs["device_map"] = {"": device}  # bitsandbytes quantizes while loading onto the device
+    if "gguf_file" in kwargs:
+        # Dequantized to float weights (the engine packs them for oneDNN). Said up front, or transformers warns that
+        # its quantized GGUF kernels prefer float32 before it finds it has none here and dequantizes anyway.
+        quantize = GgufConfig(gguf_file=kwargs["gguf_file"], dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(
         name, dtype=dtype, attn_implementation=attn_implementation, quantization_config=quantize, **kwargs
     )
