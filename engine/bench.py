@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
     if hf_methods and hf_dtype != dtype:
         print(f"note: {' and '.join(sorted(hf_methods))} ran in {hf_dtype}, the engine in {dtype}")
     if args.temperature == 0:
-        inexact = hf_methods if hf_dtype != dtype or hf_dtype != "float32" else set()
+        inexact = set() if hf_dtype == dtype == "float32" else hf_methods
         for line in exactness_warnings(summary, len(questions), inexact):
             print(line)
     if args.json_out:

@@ -171,9 +171,11 @@ def load_model(
     if "gguf_file" in kwargs:
         # Dequantized to float weights (the engine packs them for oneDNN). Said up front, or transformers warns that
         # its quantized GGUF kernels prefer float32 before it finds it has none here and dequantizes anyway.
-        quantize = GgufConfig(gguf_file=kwargs["gguf_file"], dequantize=True)
+        loading = GgufConfig(gguf_file=kwargs["gguf_file"], dequantize=True)
+    else:
+        loading = quantize
     model = AutoModelForCausalLM.from_pretrained(
-        name, dtype=dtype, attn_implementation=attn_implementation, quantization_config=quantize, **kwargs
+        name, dtype=dtype, attn_implementation=attn_implementation, quantization_config=loading, **kwargs
     )
     if "device_map" not in kwargs:
         model.to(device)
