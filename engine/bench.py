@@ -21,8 +21,8 @@ out, so tau = (tokens - 1) / (forwards - 1), summed over questions: plain decodi
 speculative method's tau is its mean accepted length (accepted drafts + the base model's own token per round).
 Per-round times (draft, verify, other) are means over decoding rounds, prefill excluded.
 
---json writes config, summary.<method> = {tokens, wall_s, tokens_per_s, tau, rounds, draft_ms, verify_ms,
-other_ms, accepted_per_round, matches_vanilla, speedup_vs_vanilla} and questions[i] = {question_id, category,
+--json writes config, summary.<method> = {tokens, wall_s, tokens_per_s, tau, tau_by_category, rounds, draft_ms,
+verify_ms, other_ms, accepted_per_round, matches_vanilla, speedup_vs_vanilla} and questions[i] = {question_id, category,
 prompt_tokens, results.<method> = {token_ids, wall_s, target_forwards}}. At temperature 0 every method must
 reproduce vanilla's tokens exactly; a WARNING line says which did not. hf methods are held to that only in float32
 and the engine's dtype: transformers' own kernels round bf16/fp16 differently from the engine's (exact) ones.
@@ -177,19 +177,30 @@ def _mean_ms(values: list[float]) -> float | None:
     return 1000 * sum(values) / len(values) if values else None
 
 
-def summarize(runs: list[Run], baseline: list[Run] | None) -> dict:
-    """Totals over questions for one method; see the module docstring for tau and the per-round split."""
+def _tau(runs: list[Run]) -> float | None:
+    """New tokens per decoding forward, prefill and its token left out (module docstring)."""
+    decode_forwards = sum(r.target_forwards - 1 for r in runs)
+    return sum(len(r.token_ids) - 1 for r in runs) / decode_forwards if decode_forwards else None
+
+
+def summarize(runs: list[Run], baseline: list[Run] | None, categories: list[str]) -> dict:
+    """Totals over questions for one method; see the module docstring for tau and the per-round split.
+
+    categories[i] is question i's; tau_by_category shows what kind of text drafts well (MT-bench's first 20
+    questions are all writing and roleplay, its hardest categories for a draft head).
+    """
     tokens = sum(len(r.token_ids) for r in runs)
     wall = sum(r.wall_s for r in runs)
-    decoded = sum(len(r.token_ids) - 1 for r in runs)
-    decode_forwards = sum(r.target_forwards - 1 for r in runs)
     rounds = [step for r in runs for step in r.steps[1:]]  # engine methods only
     return {
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall if wall else None,
-        "tau": decoded / decode_forwards if decode_forwards else None,
-        "rounds": decode_forwards,
+        "tau": _tau(runs),
+        "tau_by_category": {
+            name: _tau([r for r, c in zip(runs, categories) if c == name]) for name in dict.fromkeys(categories)
+        },
+        "rounds": sum(r.target_forwards - 1 for r in runs),
         "draft_ms": _mean_ms([s.draft_s for s in rounds]),
         "verify_ms": _mean_ms([s.verify_s for s in rounds]),
         "other_ms": _mean_ms([s.wall_s - s.draft_s - s.verify_s for s in rounds]),
@@ -222,7 +233,8 @@ def add_speedups(summary: dict) -> None:
         s["speedup_vs_vanilla"] = s["tokens_per_s"] / vanilla if vanilla and s["tokens_per_s"] else None
 
 
-def print_table(summary: dict, questions: int, file=sys.stdout) -> None:
+def print_table(summary: dict, questions: int, file=None) -> None:
+    """The summary as aligned columns on `file` (None: sys.stdout at call time), then tau by category if several."""
     rows = [("method", "tokens", "wall s", "tok/s", "x vanilla", "tau", "acc/round",
              "draft ms", "verify ms", "other ms", "= vanilla")]
     for method, s in summary.items():
@@ -231,6 +243,17 @@ def print_table(summary: dict, questions: int, file=sys.stdout) -> None:
                      _fmt(s.get("speedup_vs_vanilla"), ".2f"), _fmt(s["tau"], ".2f"),
                      _fmt(s["accepted_per_round"], ".2f"),
                      _fmt(s["draft_ms"], ".1f"), _fmt(s["verify_ms"], ".1f"), _fmt(s["other_ms"], ".1f"), match))
+    _print_rows(rows, file)
+    categories = list(next(iter(summary.values())).get("tau_by_category", {}))  # absent from older JSON reports
+    if len(categories) > 1:
+        print("\ntau by category", file=file)
+        _print_rows([("method", *categories)] + [
+            (method, *(_fmt(s["tau_by_category"][c], ".2f") for c in categories)) for method, s in summary.items()
+        ], file)
+
+
+def _print_rows(rows: list[tuple[str, ...]], file) -> None:
+    """Columns padded to their widest cell: the first left-aligned, numbers right-aligned."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))),
@@ -385,7 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
                 bar.update()
 
     baseline = runs.get("vanilla")
-    summary = {m: summarize(runs[m], baseline) for m in methods}
+    summary = {m: summarize(runs[m], baseline, [q["category"] for q in questions]) for m in methods}
     add_speedups(summary)
     date = datetime.now().astimezone().isoformat(sep=" ", timespec="minutes")
     report = {

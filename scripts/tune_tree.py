@@ -33,8 +33,9 @@ def main() -> None:
     args = parser.parse_args()
 
     engine = Engine.load(args.base, args.head, dtype=args.dtype)
-    prompts = [engine.encode_chat([{"role": "user", "content": q["turns"][0]}])
-               for q in load_questions(args.questions, args.limit)]
+    questions = load_questions(args.questions, args.limit)
+    prompts = [engine.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in questions]
+    categories = [q["category"] for q in questions]
     grid = [dict(total_tokens=t, depth=d, draft_top_k=k) for t, d, k in itertools.product(
         *(map(int, v.split(",")) for v in (args.total_tokens, args.depth, args.draft_top_k)))]
     grid = [g for g in grid if g["total_tokens"] - 1 <= g["draft_top_k"] * (1 + g["depth"] * g["draft_top_k"])]
@@ -47,12 +48,12 @@ def main() -> None:
                 method, params = ("vanilla", base) if key == "vanilla" else ("eagle", {**base, **grid[key]})
                 runs[key].append(run_engine(engine, method, prompt, params))
                 bar.update()
-    vanilla = summarize(runs["vanilla"], None)
+    vanilla = summarize(runs["vanilla"], None, categories)
     print(f"vanilla: {vanilla['tokens_per_s']:.2f} tok/s")
     print("total_tokens depth draft_top_k   tok/s  x vanilla   tau  draft ms  verify ms  = vanilla")
     rows = []
     for i, setting in enumerate(grid):
-        s = summarize(runs[i], runs["vanilla"])
+        s = summarize(runs[i], runs["vanilla"], categories)
         rows.append((s["tokens_per_s"], setting, s))
     for speed, setting, s in sorted(rows, key=lambda r: -r[0]):
         print(f"{setting['total_tokens']:12d} {setting['depth']:5d} {setting['draft_top_k']:11d} {speed:7.2f} "

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.bench import METHODS, exactness_warnings, main
+from engine.bench import METHODS, Run, exactness_warnings, main, print_table, summarize
 from engine.draft.checkpoint import new_head, save_head
 from engine.models import load_tokenizer
 
@@ -67,6 +67,23 @@ def test_json_schema_and_tau(assets, report):
     assert saved["summary"]["eagle"]["tau"] >= 1.0
     assert saved["summary"]["eagle"]["draft_ms"] > 0 and saved["summary"]["hf"]["draft_ms"] is None
     assert saved["summary"]["e1"]["tau"] >= 1.0 and saved["summary"]["e1"]["draft_ms"] > 0  # the EAGLE-1 head drafted
+
+
+def test_tau_by_category_pools_each_categorys_questions():
+    runs = [Run(list(range(5)), 1.0, 3), Run(list(range(3)), 1.0, 3), Run(list(range(7)), 1.0, 3)]  # tau 2, 1, 3
+    summary = summarize(runs, None, ["writing", "math", "writing"])
+    assert summary["tau_by_category"] == {"writing": (4 + 6) / (2 + 2), "math": 1.0}
+    assert summary["tau"] == (4 + 2 + 6) / 6
+
+
+def test_tau_by_category_is_reported(report, capsys):
+    assert all(list(s["tau_by_category"]) == ["writing", "math"] for s in report["summary"].values())
+    assert report["summary"]["vanilla"]["tau_by_category"] == {"writing": 1.0, "math": 1.0}
+    print_table(report["summary"], len(QUESTIONS))
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index("tau by category") + 1
+    assert lines[header].split() == ["method", "writing", "math"]
+    assert lines[header + 1].split() == ["vanilla", "1.00", "1.00"]
 
 
 def test_greedy_methods_equal_vanilla(report):
