@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import transformers
@@ -187,7 +188,7 @@ def summarize(runs: list[Run], baseline: list[Run] | None, categories: list[str]
     """Totals over questions for one method; see the module docstring for tau and the per-round split.
 
     categories[i] is question i's; tau_by_category shows what kind of text drafts well (MT-bench's first 20
-    questions are all writing and roleplay, its hardest categories for a draft head).
+    questions, the usual quick run, are all writing and roleplay).
     """
     tokens = sum(len(r.token_ids) for r in runs)
     wall = sum(r.wall_s for r in runs)
@@ -233,7 +234,7 @@ def add_speedups(summary: dict) -> None:
         s["speedup_vs_vanilla"] = s["tokens_per_s"] / vanilla if vanilla and s["tokens_per_s"] else None
 
 
-def print_table(summary: dict, questions: int, file=None) -> None:
+def print_table(summary: dict, questions: int, file: TextIO | None = None) -> None:
     """The summary as aligned columns on `file` (None: sys.stdout at call time), then tau by category if several."""
     rows = [("method", "tokens", "wall s", "tok/s", "x vanilla", "tau", "acc/round",
              "draft ms", "verify ms", "other ms", "= vanilla")]
@@ -252,7 +253,7 @@ def print_table(summary: dict, questions: int, file=None) -> None:
         ], file)
 
 
-def _print_rows(rows: list[tuple[str, ...]], file) -> None:
+def _print_rows(rows: list[tuple[str, ...]], file: TextIO | None) -> None:
     """Columns padded to their widest cell: the first left-aligned, numbers right-aligned."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
