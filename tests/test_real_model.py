@@ -71,7 +71,7 @@ def test_eagle_greedy_equals_vanilla_with_real_acceptance(engine):
         forwards += len(steps) - 1
         produced += len(vanilla) - 1
     tau = produced / forwards
-    assert tau > 1.5, f"τ {tau:.2f}: the shipped head should accept drafts (MT-bench: 2.02 in bf16, 1.95 in float32)"
+    assert tau > 1.5, f"τ {tau:.2f}: the shipped head should accept drafts (MT-bench, default tree, bf16: 1.96)"
 
 
 def test_eagle_greedy_equals_vanilla_in_float32(engine_fp32):
