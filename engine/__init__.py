@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -20,11 +21,12 @@ from .draft.drafter import Drafter
 from .draft.head import DraftHead
 from .generate import METHODS, ContextTooLong, DecodeParams, Step, check_prompt, decode
 from .models import DEFAULT_BASE, load_base, resolve_dtype
-from .packed import bf16_native, pack_linears
+from .packed import bf16_native, pack_linears, packable_dtypes
 from .target import Target
 
 __all__ = ["Engine", "Step", "DecodeParams", "CheckpointError", "ContextTooLong", "METHODS"]
 _ROLES = ("system", "user", "assistant")
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -44,6 +46,10 @@ class Engine:
         self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
         self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
         self.wide_attention = pack and use_wide_attention(model)
+        if self.wide_attention and model.dtype not in packable_dtypes():
+            log.warning("%s linear layers cannot be packed on this CPU, so a tree forward may round differently "
+                        "from one-token decoding and greedy EAGLE may differ from plain decoding: use float32",
+                        str(model.dtype).removeprefix("torch."))
         text_config = model.config.get_text_config()
         self.target = Target(model, head.feature_layers(text_config.num_hidden_layers) if head else None)
         self._lock = threading.Lock()

@@ -84,20 +84,28 @@ def lone_row_sums_differently(
     return any(not torch.equal(_multiply(x[i : i + 1], packed, bias_row), together[i : i + 1]) for i in range(rows))
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every plain CPU float32/bfloat16 nn.Linear in `model` by a PackedLinear; returns how many.
-
-    Subclasses (bitsandbytes' quantized layers among them) and layers on other devices are left alone.
-    """
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes oneDNN can pack here: float32 on any x86 build, bfloat16 only where the CPU has bf16 support
+    (oneDNN refuses to reorder a bf16 weight on an AVX2-only CPU)."""
     if not packing_available():
-        return 0
+        return ()
+    return (torch.float32, torch.bfloat16) if bf16_native() else (torch.float32,)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every plain CPU nn.Linear of a packable dtype in `model` by a PackedLinear; returns how many.
+
+    Subclasses (bitsandbytes' quantized layers among them), layers on other devices and layers of other dtypes
+    are left alone.
+    """
+    dtypes = packable_dtypes()
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (
                 type(child) is nn.Linear
                 and child.weight.device.type == "cpu"
-                and child.weight.dtype in (torch.float32, torch.bfloat16)
+                and child.weight.dtype in dtypes
             ):
                 setattr(parent, name, PackedLinear(child))
                 count += 1

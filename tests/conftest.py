@@ -7,9 +7,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from engine import Engine
 from engine.draft.checkpoint import new_head, place_head
+from engine.packed import packable_dtypes
 
 # Tiny models gain nothing from threads, and extra threads thrash when several test processes share the CPU.
 torch.set_num_threads(1)
+
+# Dtypes whose packed CPU forward is batch-invariant here: bfloat16 only on CPUs that oneDNN packs it for.
+PACKED_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    torch.bfloat16 not in packable_dtypes(), reason="oneDNN packs bfloat16 only on CPUs with AVX-512 BF16 or AMX"))]
 
 # A small vocabulary makes random drafts hit often, so multi-token paths are exercised.
 VOCAB = 16

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import IdsOnlyTokenizer
+from conftest import PACKED_DTYPES, IdsOnlyTokenizer
 from engine import Engine
 from engine.attention import NAME, wide_attention
 from engine.cache import truncate
@@ -84,7 +84,7 @@ def _small_engine(dtype: torch.dtype) -> Engine:
 
 
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 def test_packed_cpu_forward_scores_a_tree_exactly_as_decoding_does(dtype):
     engine = _small_engine(dtype)
     assert engine.wide_attention and engine.model.config._attn_implementation == NAME

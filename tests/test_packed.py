@@ -3,14 +3,14 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SHAPES, tiny_engine, tokens_of
+from conftest import PACKED_DTYPES, SHAPES, tiny_engine, tokens_of
 from engine.packed import PackedLinear, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 2e-2, marks=PACKED_DTYPES[1].marks)])
 def test_packed_linear_computes_what_the_linear_does(bias, dtype, tolerance):
     torch.manual_seed(0)
     linear = nn.Linear(96, 200, bias=bias).to(dtype)
@@ -21,7 +21,7 @@ def test_packed_linear_computes_what_the_linear_does(bias, dtype, tolerance):
     assert packed.weight.dtype == dtype and packed.weight.numel() == 0  # stand-in for dtype/device readers
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("sizes", [(576, 1536), (1536, 576)])
 def test_rows_do_not_depend_on_how_many_rows_go_through_together(dtype, sizes):
     """What makes a tree forward agree with one-token decoding: a lone row too (oneDNN's one-row kernel rounds
@@ -49,7 +49,7 @@ def test_pack_linears_replaces_plain_cpu_linears_only():
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 def test_packed_engine_greedy_equals_vanilla(shape, kind, dtype, prompt):
     """bfloat16 too: the packed CPU engine computes every row alike whatever the batch (engine.attention)."""
     engine = tiny_engine(shape, kind, pack=True, dtype=dtype)
