@@ -1,0 +1,118 @@
+"""The context index: what followed the longest earlier match of the text's end, for drafting without a head.
+
+Much of what a chat model writes is already in its context (code being edited, names and numbers being
+extracted, a sentence it repeats). A suffix automaton over the prompt and the generated tokens finds, after every
+round, the longest suffix of the text that occurred before (any length, not a fixed n-gram size), and which tokens
+followed it there, how often and how recently. Candidates read off it are deterministic functions of the context,
+so verification treats them like any other draft (q = 1): drafting from the context never changes the output.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Tokens that followed an earlier occurrence of the text's end, and how far to trust them."""
+
+    tokens: list[int]  # the predicted next tokens, first one first
+    match_length: int  # how many of the text's last tokens that earlier occurrence shares
+    count: int  # how many earlier occurrences of the match were followed by tokens[0]
+
+
+class ContextIndex:
+    """A suffix automaton over one growing token string (prompt, then generated tokens).
+
+    Each state stands for a set of substrings with the same end positions; per state it keeps how many times they
+    occur (`count`) and where they last ended (`end`), refreshed along the new token's suffix-link path. Building
+    the automaton costs amortized O(1) per token; the refresh walks one state per class of repeated suffixes: a
+    handful in ordinary text, up to the repeat's length while the text repeats one token over and over.
+    """
+
+    def __init__(self, tokens: Iterable[int] = ()):
+        self.tokens: list[int] = []
+        self._next: list[dict[int, int]] = [{}]
+        self._link = [-1]
+        self._length = [0]
+        self._count = [0]
+        self._end = [-1]
+        self._last = 0  # the state of the whole text
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append tokens to the text, in time proportional to their number (amortized)."""
+        for token in tokens:
+            try:
+                token = operator.index(token)
+            except TypeError:
+                raise TypeError(f"context tokens must be integer ids, got {token!r}") from None
+            if token < 0:
+                raise ValueError(f"context tokens must be non-negative ids, got {token}")
+            self._append(token)
+
+    def continuations(self, max_tokens: int, max_branches: int = 1) -> list[Continuation]:
+        """What followed the longest earlier match of the text's end: one continuation per distinct next token,
+        most frequent first (then most recent), each copied from that token's latest occurrence, up to
+        max_tokens long. Empty when the text's last token never occurred before."""
+        if max_tokens < 1 or max_branches < 1:
+            raise ValueError(f"max_tokens and max_branches must be at least 1, got {max_tokens}, {max_branches}")
+        match = self._link[self._last]
+        if match <= 0:  # no state, or the root: nothing of the text's end occurred before
+            return []
+        followers = sorted(self._next[match].values(), key=lambda s: (self._count[s], self._end[s]), reverse=True)
+        return [
+            Continuation(self._copy_from(self._end[s], max_tokens), self._length[match], self._count[s])
+            for s in followers[:max_branches]
+        ]
+
+    def _copy_from(self, start: int, max_tokens: int) -> list[int]:
+        """tokens[start:], as many as asked; past the text's end the copy overlaps itself (text[n + i] is predicted
+        as text[start + i]), so a repeating pattern keeps repeating instead of stopping at the end."""
+        text, n = self.tokens, len(self.tokens)
+        out: list[int] = []
+        for i in range(max_tokens):
+            out.append(text[start + i] if start + i < n else out[start + i - n])
+        return out
+
+    def _new_state(self, length: int, link: int, successors: dict[int, int], count: int, end: int) -> int:
+        self._next.append(successors)
+        self._link.append(link)
+        self._length.append(length)
+        self._count.append(count)
+        self._end.append(end)
+        return len(self._next) - 1
+
+    def _append(self, token: int) -> None:
+        """The standard online construction step (Blumer et al.), cloning a state when a transition is split."""
+        position = len(self.tokens)
+        self.tokens.append(token)
+        cur = self._new_state(self._length[self._last] + 1, 0, {}, 0, position)
+        p = self._last
+        while p != -1 and token not in self._next[p]:
+            self._next[p][token] = cur
+            p = self._link[p]
+        if p != -1:
+            q = self._next[p][token]
+            if self._length[p] + 1 == self._length[q]:
+                self._link[cur] = q
+            else:
+                clone = self._new_state(self._length[p] + 1, self._link[q], dict(self._next[q]), self._count[q],
+                                        self._end[q])
+                while p != -1 and self._next[p].get(token) == q:
+                    self._next[p][token] = clone
+                    p = self._link[p]
+                self._link[q] = self._link[cur] = clone
+        self._last = cur
+        self._record(cur, position)
+
+    def _record(self, state: int, position: int) -> None:
+        """Every suffix of the text now also ends at `position`: one more occurrence, the latest one."""
+        while state > 0:
+            self._count[state] += 1
+            self._end[state] = position
+            state = self._link[state]
