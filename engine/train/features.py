@@ -42,7 +42,7 @@ def pad_batch(records: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "valid": valid, "reply": reply}
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: live features feed the head's autograd graph (a float32 fit uses them as is)
 def target_features(model, input_ids: torch.Tensor, valid: torch.Tensor, layers: list[int] | None,
                     with_top1: bool = True):
     """One base forward: (features or None, final-norm hidden, greedy next token or None), each [B, T, ...]."""
