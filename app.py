@@ -10,8 +10,8 @@ import logging
 
 from app.zerogpu import on_gpu  # before torch: on ZeroGPU hardware `spaces` must patch CUDA first
 
-from engine import CheckpointError, Engine
-from engine.models import DTYPES, QUANTIZATIONS
+from engine import CheckpointError, DecodeParams, Engine
+from engine.models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS
 
 from app.chat import ChatService, EngineThread
 from app.ui import CSS, build_demo
@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--base", help="base model: hub id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     add("--head", default="default",
         help='EAGLE head folder or hub id; "default": the shipped head of the default base; "none": plain decoding')
-    add("--device", default="auto", help="cpu, cuda, cuda:N, or auto (every GPU, else the CPU)")
+    add("--device", default=DEFAULT_DEVICE, help="cpu, cuda, cuda:N, or auto (every GPU, else the CPU)")
     add("--dtype", default="auto", choices=["auto", *DTYPES],
         help="auto: bfloat16 on a CPU with native bf16 (exact and faster there), else float32")
     add("--quantization", default="none", choices=list(QUANTIZATIONS),
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--port", type=int, help="port (default 7860, or the next free one)")
     add("--share", action="store_true", help="also serve through a temporary public gradio.live link")
     add("--auth", type=parse_auth, help="user:password required to open the app (recommended with --share)")
-    add("--max-new-tokens", type=int, default=256,
+    add("--max-new-tokens", type=int, default=DecodeParams.max_new_tokens,
         help="longest answer a user may ask for (the settings slider's maximum)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:

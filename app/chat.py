@@ -9,7 +9,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
 from engine import ContextTooLong, DecodeParams, Engine
@@ -47,23 +46,6 @@ class EngineThread:
             yield item
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What a user can change per turn. Tree settings only matter for method "eagle"."""
-
-    method: str = "eagle"
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
-    total_tokens: int = DecodeParams.total_tokens
-    depth: int = DecodeParams.depth
-
-    def decode_params(self) -> dict:
-        params = asdict(self)
-        del params["method"]
-        return params
-
-
 class ChatService:
     """Chat turns over one engine, with the plain decoding baseline and counters shown to every session."""
 
@@ -88,7 +70,8 @@ class ChatService:
     def calibrate(self, tokens: int = 24) -> None:
         """Measure plain decoding on this machine: `tokens` rounds after the prefill."""
         ids = self.engine.encode_chat(CALIBRATION_PROMPT)
-        for _ in self.stream(ids, Settings("vanilla", max_new_tokens=tokens + 1), "start-up calibration"):
+        params = DecodeParams(method="vanilla", max_new_tokens=tokens + 1)
+        for _ in self.stream(ids, params, "start-up calibration"):
             pass
 
     def fit(self, messages: list[dict], max_new_tokens: int) -> tuple[list[int], int]:
@@ -114,7 +97,7 @@ class ChatService:
             dropped += 2  # one user message and the answer to it
 
     def stream(
-        self, prompt_ids: list[int], settings: Settings, baseline_source: str = "plain-decoding turns",
+        self, prompt_ids: list[int], params: DecodeParams, baseline_source: str = "plain-decoding turns",
         every_s: float = 0.0,
     ) -> Iterator[tuple[Answer, TurnMeter]]:
         """Answer a prompt, yielding the first round, the last, and between them a round at most every `every_s`.
@@ -123,11 +106,11 @@ class ChatService:
         second rather than one per round. Closing the iterator stops the engine at its next update.
         """
         answer, detokenizer = Answer(), TokenText(self.engine.tokenizer)
-        turn = TurnMeter(settings.method)
+        turn = TurnMeter(params.method)
         self._count(active=1)
         shown_at = None
         try:
-            steps = self.engine.generate(prompt_ids, settings.method, **settings.decode_params())
+            steps = self.engine.generate(prompt_ids, params)
             with self._turn, closing(steps):
                 for i, step in enumerate(self.engine_thread.iterate(steps)):
                     answer.add(step.tokens, step.drafted, detokenizer)
@@ -141,5 +124,5 @@ class ChatService:
                         yield answer, turn
         finally:
             self._count(active=-1)
-            if settings.method == "vanilla" and turn.tokens >= MIN_BASELINE_TOKENS:
+            if params.method == "vanilla" and turn.tokens >= MIN_BASELINE_TOKENS:
                 self.baseline.add(turn.tokens, turn.seconds, baseline_source)

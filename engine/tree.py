@@ -1,9 +1,10 @@
 """Draft trees: EAGLE-2's dynamic tree and EAGLE-1's static trees, as flat node lists (root first, parents
-before children) with the ancestor mask and depths that verification needs."""
+before children) with the ancestor mask and depths that verification needs, and the specifications
+(`DynamicTree`, `StaticTree`) that say which tree a round grows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Union
 
 import torch
 
@@ -156,3 +157,52 @@ def grow_static(expander: Expander, root: int, root_hidden: torch.Tensor, paths:
         children_of(batch, outs)
     parents = [-1] + [index[p[:-1]] for p in paths]
     return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents))
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's tree: expand the top_k best nodes for `depth` steps, keep the best total_tokens - 1 drafts.
+
+    Defaults tuned for the shipped head on a CPU (README, "Tree size"): with a head that accepts ~2 tokens a
+    round, small shallow trees win there; on a GPU, or with a better head, larger trees pay off.
+    """
+
+    total_tokens: int = 8  # tree nodes including the root (the official `total_token`)
+    depth: int = 2  # expansion steps: the tree reaches depth + 1 drafted levels
+    top_k: int = 8  # children per expanded node
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
+            raise ValueError("tree depth and draft top-k must be >= 1 and total_tokens >= 2")
+
+    @property
+    def max_levels(self) -> int:
+        """Deepest drafted level the tree can have."""
+        return self.depth + 1
+
+    def grow(self, expander: Expander, root: int, root_hidden: torch.Tensor) -> DraftTree:
+        return grow_dynamic(expander, root, root_hidden, self.top_k, self.depth, self.total_tokens)
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """EAGLE-1's fixed tree: each path lists child ranks from the root (0 = the head's top-1 draft)."""
+
+    paths: tuple[tuple[int, ...], ...] = tuple(map(tuple, MC_SIM_7B_63))
+
+    def __post_init__(self):
+        paths = tuple(tuple(int(rank) for rank in path) for path in self.paths)
+        if not paths or any(not path or min(path) < 0 for path in paths):
+            raise ValueError("a static tree needs at least one path, each a non-empty list of ranks >= 0")
+        object.__setattr__(self, "paths", paths)
+
+    @property
+    def max_levels(self) -> int:
+        return max(map(len, self.paths))
+
+    def grow(self, expander: Expander, root: int, root_hidden: torch.Tensor) -> DraftTree:
+        return grow_static(expander, root, root_hidden, [list(p) for p in self.paths])
+
+
+TreeSpec = Union[DynamicTree, StaticTree]
+TREES = {"dynamic": DynamicTree, "static": StaticTree}

@@ -32,7 +32,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from engine import Engine, bench, costs  # noqa: E402
+from engine import Engine  # noqa: E402
+from engine.tools import bench, costs  # noqa: E402
 from engine.draft.checkpoint import DEFAULT_HEAD  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from engine.target import Target  # noqa: E402
@@ -92,8 +93,8 @@ def guarded(case: str, run) -> dict:
 
 def compare(engine: Engine, prompt: list[int], new_tokens: int, **params) -> dict:
     """Greedy vanilla vs greedy EAGLE on one prompt: exactness, length of the common prefix, drafts accepted."""
-    vanilla = conftest.tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=new_tokens))
-    steps = list(engine.generate(prompt, "eagle", max_new_tokens=new_tokens, **params))
+    vanilla = conftest.tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=new_tokens))
+    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=new_tokens, **params))
     eagle = conftest.tokens_of(steps)
     prefix = next((i for i, (a, b) in enumerate(zip(vanilla, eagle)) if a != b), min(len(vanilla), len(eagle)))
     return {"exact": vanilla == eagle, "common_prefix": prefix, "tokens": len(vanilla),

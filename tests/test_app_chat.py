@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from app.chat import ChatService, Settings
+from app.chat import ChatService
 from app.conversation import Conversation
 from app.ui import EMPTY_HINT, Handlers
 from conftest import random_head, tiny_base, tokens_of
-from engine import ContextTooLong, Engine
+from engine import ContextTooLong, DecodeParams, Engine
 from engine.models import load_tokenizer
 
 CONTEXT = 256  # the tiny model's context window, so over-long input is cheap to make
@@ -34,26 +34,25 @@ def handlers(service) -> Handlers:
     return Handlers(service, max_new_tokens=64)
 
 
-def settings(**changes) -> list:
-    """The settings inputs in UI order: method, temperature, top-p, max new tokens, tree size, depth."""
-    values = {"method": "eagle", "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12, "total_tokens": 8, "depth": 3}
-    values.update(changes)
-    return list(values.values())
+def settings(**changes) -> dict:
+    """The settings controls' values, by the names the page passes them under."""
+    return {"method": "eagle", "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12, "total_tokens": 8, "depth": 3,
+            **changes}
 
 
 def ask(handlers: Handlers, conversation: Conversation, text: str, **changes) -> list[tuple]:
     _, conversation, _ = handlers.add_message(text, conversation)
-    return list(handlers.answer(conversation, True, *settings(**changes)))
+    return list(handlers.answer(conversation, True, **settings(**changes)))
 
 
 def test_stream_yields_one_update_per_round_with_every_token(engine, service):
     ids = engine.encode_chat([{"role": "user", "content": "Hello there"}])
-    expected = list(engine.generate(ids, "eagle", max_new_tokens=16, total_tokens=8, depth=3))
-    updates = [(answer.ids[:], turn.rounds) for answer, turn in service.stream(ids, Settings("eagle", max_new_tokens=16, total_tokens=8, depth=3))]
+    expected = list(engine.generate(ids, method="eagle", max_new_tokens=16, total_tokens=8, depth=3))
+    updates = [(answer.ids[:], turn.rounds) for answer, turn in service.stream(ids, DecodeParams().with_options(method="eagle", max_new_tokens=16, total_tokens=8, depth=3))]
     assert len(updates) == len(expected) and service.rounds == len(expected)
     assert [ids_ for ids_, _ in updates][-1] == tokens_of(expected)
     assert [rounds for _, rounds in updates] == list(range(len(expected)))  # the prefill is round 0
-    answer, turn = list(service.stream(ids, Settings("eagle", max_new_tokens=16, total_tokens=8, depth=3)))[-1]
+    answer, turn = list(service.stream(ids, DecodeParams().with_options(method="eagle", max_new_tokens=16, total_tokens=8, depth=3)))[-1]
     assert answer.drafted == [d for s in expected for d in s.drafted]
     assert answer.text == engine.tokenizer.decode(answer.ids, skip_special_tokens=True)
     assert turn.finish_reason in ("eos", "length")
@@ -65,7 +64,7 @@ def test_every_engine_step_runs_on_the_one_engine_thread(engine, service):
     try:
         ids = engine.encode_chat([{"role": "user", "content": "Hello there"}])
         for _ in range(2):  # two turns, each driven from a thread of its own, as Gradio does
-            worker = threading.Thread(target=lambda: list(service.stream(ids, Settings("eagle", max_new_tokens=8))))
+            worker = threading.Thread(target=lambda: list(service.stream(ids, DecodeParams().with_options(method="eagle", max_new_tokens=8))))
             worker.start()
             worker.join(60)
     finally:
@@ -75,23 +74,23 @@ def test_every_engine_step_runs_on_the_one_engine_thread(engine, service):
 
 def test_a_throttled_stream_skips_updates_but_no_tokens(engine, service):
     ids = engine.encode_chat([{"role": "user", "content": "Hello there"}])
-    expected = list(engine.generate(ids, "eagle", max_new_tokens=16, total_tokens=8, depth=3))
+    expected = list(engine.generate(ids, method="eagle", max_new_tokens=16, total_tokens=8, depth=3))
     updates = [(answer.ids[:], turn.rounds) for answer, turn in
-               service.stream(ids, Settings("eagle", max_new_tokens=16, total_tokens=8, depth=3), every_s=60)]
+               service.stream(ids, DecodeParams().with_options(method="eagle", max_new_tokens=16, total_tokens=8, depth=3), every_s=60)]
     assert len(expected) > 2 and [rounds for _, rounds in updates] == [0, len(expected) - 1]  # first and last only
     assert updates[-1][0] == tokens_of(expected)
 
 
 def test_closing_the_stream_stops_decoding_and_frees_the_engine(engine, service):
     ids = engine.encode_chat([{"role": "user", "content": "Tell me a long story"}])
-    stream = service.stream(ids, Settings("vanilla", max_new_tokens=200))
+    stream = service.stream(ids, DecodeParams().with_options(method="vanilla", max_new_tokens=200))
     for _ in range(3):
         next(stream)
     assert service.active == 1
     stream.close()  # what Gradio does on Stop or a disconnect
     assert service.active == 0 and service.rounds == 3
     started = threading.Event()
-    worker = threading.Thread(target=lambda: (next(engine.generate(ids, "vanilla", max_new_tokens=1)), started.set()), daemon=True)
+    worker = threading.Thread(target=lambda: (next(engine.generate(ids, method="vanilla", max_new_tokens=1)), started.set()), daemon=True)
     worker.start()
     assert started.wait(30), "the engine is still locked after the stream was closed"
 
@@ -100,9 +99,9 @@ def test_plain_decoding_turns_refresh_the_baseline(engine, service):
     service.calibrate(tokens=10)
     assert service.baseline.tokens == 10 and service.baseline.source == "start-up calibration"
     ids = engine.encode_chat([{"role": "user", "content": "Hi"}])
-    list(service.stream(ids, Settings("eagle", max_new_tokens=12)))
+    list(service.stream(ids, DecodeParams().with_options(method="eagle", max_new_tokens=12)))
     assert service.baseline.tokens == 10  # EAGLE turns are not the baseline
-    *_, (_, turn) = service.stream(ids, Settings("vanilla", max_new_tokens=12))
+    *_, (_, turn) = service.stream(ids, DecodeParams().with_options(method="vanilla", max_new_tokens=12))
     assert service.baseline.tokens == 10 + turn.tokens and service.baseline.source == "plain-decoding turns"
 
 
@@ -139,7 +138,7 @@ def test_empty_message_is_ignored_with_a_hint(handlers):
     with pytest.warns(UserWarning, match=re.escape(EMPTY_HINT)):
         text, conversation, shown = handlers.add_message("   \n ", conversation)
     assert shown == [] and conversation.turns == []
-    assert list(handlers.answer(conversation, True, *settings()))[-1][1] == []  # nothing to answer
+    assert list(handlers.answer(conversation, True, **settings()))[-1][1] == []  # nothing to answer
 
 
 def test_over_long_message_gets_a_clear_message_in_the_chat(handlers):
@@ -171,7 +170,7 @@ def test_bad_settings_and_failures_never_show_a_traceback(handlers, monkeypatch)
 def test_stop_keeps_the_partial_answer_and_says_so(handlers, service):
     conversation = Conversation()
     handlers.add_message("Tell me a story", conversation)
-    updates = handlers.answer(conversation, True, *settings(max_new_tokens=1000, method="vanilla"))
+    updates = handlers.answer(conversation, True, **settings(max_new_tokens=1000, method="vanilla"))
     for _ in range(2):
         next(updates)
     updates.close()  # Gradio closes the generator when Stop cancels the event
@@ -189,7 +188,7 @@ def test_regenerate_answers_the_last_message_again(handlers):
     first = conversation.messages()[-1]["content"]
     handlers.regenerate(conversation)
     assert conversation.waiting
-    list(handlers.answer(conversation, True, *settings()))
+    list(handlers.answer(conversation, True, **settings()))
     assert len(conversation.messages()) == 2 and conversation.messages()[-1]["content"] == first  # greedy: same
 
 
@@ -201,7 +200,7 @@ def test_provenance_can_be_switched_off_for_the_whole_chat(handlers):
 
 
 def test_side_by_side_reports_identical_greedy_outputs(handlers):
-    updates = list(handlers.compare("Compare me", True, 16, 8, 3))
+    updates = list(handlers.compare("Compare me", True, max_new_tokens=16, total_tokens=8, depth=3))
     plain, eagle, verdict, _ = updates[-1]
     assert 'data-verdict="identical"' in verdict and "Identical" in verdict
     assert re.sub(r'<span class="\w+"', "", plain) == re.sub(r'<span class="\w+"', "", eagle)
@@ -209,7 +208,7 @@ def test_side_by_side_reports_identical_greedy_outputs(handlers):
 
 def test_two_sessions_at_once_each_get_their_own_answer(handlers, engine):
     prompts = ["First question", "A different second question"]
-    alone = [engine.chat_text([{"role": "user", "content": p}], "eagle", max_new_tokens=12, total_tokens=8, depth=3) for p in prompts]
+    alone = [engine.chat_text([{"role": "user", "content": p}], method="eagle", max_new_tokens=12, total_tokens=8, depth=3) for p in prompts]
     conversations = [Conversation(), Conversation()]
     threads = [threading.Thread(target=ask, args=(handlers, c, p)) for c, p in zip(conversations, prompts)]
     for thread in threads:

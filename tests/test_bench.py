@@ -5,7 +5,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.bench import METHODS, Run, exactness_warnings, main, print_table, summarize
+from engine.tools.bench import METHODS, main
+from engine.tools.report import exactness_warnings, print_table, summarize
+from engine.tools.runs import Run
 from engine.draft.checkpoint import new_head, save_head
 from engine.models import load_tokenizer
 

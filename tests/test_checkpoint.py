@@ -75,8 +75,8 @@ def test_official_layout_loads_and_decodes_losslessly(writer, model, tmp_path, p
     writer(model, tmp_path / "head", torch.Generator().manual_seed(0))
     head = load_head(tmp_path / "head", model)
     engine = Engine(model, IdsOnlyTokenizer(), head)
-    vanilla = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=60))
-    steps = list(engine.generate(prompt, "eagle", max_new_tokens=60))
+    vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=60))
+    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=60))
     assert tokens_of(steps) == vanilla
     assert sum(s.accepted for s in steps) > 0
 
@@ -98,7 +98,7 @@ def test_save_then_load_round_trips_exactly(writer, model, tmp_path, prompt):
     assert json.loads((tmp_path / "again" / "config.json").read_text())["num_hidden_layers"] == 1
     weights_mode = (tmp_path / "again" / "model.safetensors").stat().st_mode & 0o777
     assert weights_mode == (tmp_path / "again" / "config.json").stat().st_mode & 0o777  # as the umask says, not 0600
-    runs = [list(Engine(model, IdsOnlyTokenizer(), h).generate(prompt, "eagle", max_new_tokens=40)) for h in (head, again)]
+    runs = [list(Engine(model, IdsOnlyTokenizer(), h).generate(prompt, method="eagle", max_new_tokens=40)) for h in (head, again)]
     assert [s.tokens for s in runs[0]] == [s.tokens for s in runs[1]]
 
 

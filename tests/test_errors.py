@@ -12,14 +12,14 @@ def engine():
 
 def test_unknown_method(engine, prompt):
     with pytest.raises(ValueError, match="unknown method 'beam'"):
-        engine.generate(prompt, "beam")
+        engine.generate(prompt, method="beam")
 
 
 def test_empty_and_too_long_prompts(engine):
     with pytest.raises(ValueError, match="prompt is empty"):
-        engine.generate([], "eagle")
+        engine.generate([], method="eagle")
     with pytest.raises(ContextTooLong, match="context holds 256"):
-        engine.generate([1] * 300, "eagle")
+        engine.generate([1] * 300, method="eagle")
 
 
 def test_bad_parameters(engine, prompt):
@@ -28,12 +28,12 @@ def test_bad_parameters(engine, prompt):
         (dict(tree="bushy"), "unknown tree"), (dict(depth=0), "depth"),
     ]:
         with pytest.raises(ValueError, match=message):
-            engine.generate(prompt, "eagle", **params)
+            engine.generate(prompt, method="eagle", **params)
 
 
 def test_eagle_without_head(prompt):
     with pytest.raises(ValueError, match="needs a draft head"):
-        tiny_engine("llama-h64-l8-gqa", None).generate(prompt, "eagle")
+        tiny_engine("llama-h64-l8-gqa", None).generate(prompt, method="eagle")
 
 
 @pytest.mark.parametrize(

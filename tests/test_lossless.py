@@ -15,8 +15,8 @@ NEW_TOKENS = 80
 @pytest.mark.parametrize("tree", ["dynamic", "static"])
 def test_eagle_greedy_equals_vanilla(shape, kind, tree, prompt):
     engine = tiny_engine(shape, kind)
-    vanilla = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=NEW_TOKENS))
-    steps = list(engine.generate(prompt, "eagle", max_new_tokens=NEW_TOKENS, tree=tree))
+    vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=NEW_TOKENS))
+    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=NEW_TOKENS, tree=tree))
     assert tokens_of(steps) == vanilla
     assert sum(s.accepted for s in steps) > 0, "no draft was accepted: the test would not exercise tree paths"
     assert len(steps) < NEW_TOKENS
@@ -25,7 +25,7 @@ def test_eagle_greedy_equals_vanilla(shape, kind, tree, prompt):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_vanilla_equals_transformers_generate(shape, prompt):
     engine = tiny_engine(shape, None)
-    ours = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=NEW_TOKENS))
+    ours = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=NEW_TOKENS))
     ref = engine.model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert ours == ref[0, len(prompt):].tolist()
 
@@ -33,16 +33,16 @@ def test_vanilla_equals_transformers_generate(shape, prompt):
 @pytest.mark.parametrize("total_tokens,depth,top_k", [(2, 1, 1), (8, 3, 2), (40, 6, 6), (70, 8, 10)])
 def test_tree_settings_stay_lossless(total_tokens, depth, top_k, prompt):
     engine = tiny_engine("llama-h64-l8-gqa", "eagle3")
-    vanilla = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=60))
-    eagle = engine.generate(prompt, "eagle", max_new_tokens=60, total_tokens=total_tokens, depth=depth, draft_top_k=top_k)
+    vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=60))
+    eagle = engine.generate(prompt, method="eagle", max_new_tokens=60, total_tokens=total_tokens, depth=depth, draft_top_k=top_k)
     assert tokens_of(eagle) == vanilla
 
 
 def test_stops_at_context_limit_with_same_tokens(prompt):
     engine = tiny_engine("llama-h48-l7-mqa", "eagle1")
     room = engine.max_context - len(prompt)
-    vanilla = list(engine.generate(prompt, "vanilla", max_new_tokens=10_000))
-    eagle = list(engine.generate(prompt, "eagle", max_new_tokens=10_000))
+    vanilla = list(engine.generate(prompt, method="vanilla", max_new_tokens=10_000))
+    eagle = list(engine.generate(prompt, method="eagle", max_new_tokens=10_000))
     assert tokens_of(eagle) == tokens_of(vanilla)
     assert len(tokens_of(eagle)) == room
     assert eagle[-1].finish_reason == vanilla[-1].finish_reason == "context"
@@ -50,15 +50,15 @@ def test_stops_at_context_limit_with_same_tokens(prompt):
 
 def test_stops_at_eos_and_max_new_tokens(prompt):
     engine = tiny_engine("llama-h64-l8-gqa", "eagle3")
-    reference = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=60))
+    reference = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=60))
     stop = reference[25]
     engine.stop_ids = (stop,)
     first = reference.index(stop)
     for method in ("vanilla", "eagle"):
-        steps = list(engine.generate(prompt, method, max_new_tokens=60))
+        steps = list(engine.generate(prompt, method=method, max_new_tokens=60))
         assert tokens_of(steps) == reference[: first + 1]
         assert steps[-1].finish_reason == "eos"
-        capped = list(engine.generate(prompt, method, max_new_tokens=first))
+        capped = list(engine.generate(prompt, method=method, max_new_tokens=first))
         assert tokens_of(capped) == reference[:first] and capped[-1].finish_reason == "length"
 
 
@@ -68,14 +68,14 @@ def test_an_engine_with_another_head_shares_the_model_and_takes_turns(prompt, tm
     save_head(random_head(engine.model, "eagle1", seed=5), tmp_path / "eagle1")
     other = engine.with_head(tmp_path / "eagle1")
     assert other.model is engine.model and other.head.kind == "eagle1"
-    vanilla = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=NEW_TOKENS))
+    vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=NEW_TOKENS))
 
-    first = engine.generate(prompt, "eagle", max_new_tokens=NEW_TOKENS)
+    first = engine.generate(prompt, method="eagle", max_new_tokens=NEW_TOKENS)
     head_start = next(first).tokens  # `engine` is mid-generation: the other one must wait for it
     result = {}
 
     def run_other():
-        result["tokens"] = tokens_of(other.generate(prompt, "eagle", max_new_tokens=NEW_TOKENS))
+        result["tokens"] = tokens_of(other.generate(prompt, method="eagle", max_new_tokens=NEW_TOKENS))
 
     waiting = threading.Thread(target=run_other)
     waiting.start()

@@ -57,10 +57,10 @@ def test_packed_engine_greedy_equals_vanilla(shape, kind, dtype, prompt):
     assert engine.wide_attention
     if kind == "eagle1":  # packed after the head borrowed it, the base LM head is still the one it drafts through
         assert isinstance(engine.head.base_lm_head(), PackedLinear)
-    vanilla = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=80))
-    steps = list(engine.generate(prompt, "eagle", max_new_tokens=80))
+    vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=80))
+    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=80))
     assert tokens_of(steps) == vanilla
     assert sum(s.accepted for s in steps) > 0
     if dtype == torch.float32:  # bf16 rounds differently without packing: only float32 is comparable across kernels
         unpacked = tiny_engine(shape, None)  # same seeds: the model before packing
-        assert tokens_of(unpacked.generate(prompt, "vanilla", max_new_tokens=80)) == vanilla
+        assert tokens_of(unpacked.generate(prompt, method="vanilla", max_new_tokens=80)) == vanilla

@@ -74,8 +74,8 @@ def test_eagle_greedy_equals_vanilla_of_the_quantized_model(quantized, kind, pro
     quantization, model = quantized
     engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind))
     with largest_linear_input(model) as seen:
-        vanilla = tokens_of(engine.generate(prompt, "vanilla", max_new_tokens=NEW_TOKENS))
-        steps = list(engine.generate(prompt, "eagle", max_new_tokens=NEW_TOKENS))
+        vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=NEW_TOKENS))
+        steps = list(engine.generate(prompt, method="eagle", max_new_tokens=NEW_TOKENS))
     assert tokens_of(steps) == vanilla
     assert sum(s.accepted for s in steps) > 0, "no draft was accepted: the test would not exercise tree paths"
     if quantization == "8bit":

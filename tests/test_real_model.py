@@ -53,7 +53,7 @@ def test_vanilla_equals_transformers_generate(engine_fp32):
     """Against the model as transformers runs it, in float32: packed layers and wide attention change no token."""
     engine = engine_fp32
     ids = engine.encode_chat([{"role": "user", "content": _prompts(1)[0]}])
-    ours = tokens_of(engine.generate(ids, "vanilla", max_new_tokens=24))
+    ours = tokens_of(engine.generate(ids, method="vanilla", max_new_tokens=24))
     stock, _ = load_base(None)
     assert not any(isinstance(m, PackedLinear) for m in stock.modules())
     ref = stock.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=list(engine.stop_ids))
@@ -65,8 +65,8 @@ def test_eagle_greedy_equals_vanilla_with_real_acceptance(engine):
     forwards = produced = 0
     for text in _prompts(3):
         ids = engine.encode_chat([{"role": "user", "content": text}])
-        vanilla = tokens_of(engine.generate(ids, "vanilla", max_new_tokens=48))
-        steps = list(engine.generate(ids, "eagle", max_new_tokens=48))
+        vanilla = tokens_of(engine.generate(ids, method="vanilla", max_new_tokens=48))
+        steps = list(engine.generate(ids, method="eagle", max_new_tokens=48))
         assert tokens_of(steps) == vanilla
         forwards += len(steps) - 1
         produced += len(vanilla) - 1
@@ -77,24 +77,24 @@ def test_eagle_greedy_equals_vanilla_with_real_acceptance(engine):
 def test_eagle_greedy_equals_vanilla_in_float32(engine_fp32):
     for text in _prompts(2):
         ids = engine_fp32.encode_chat([{"role": "user", "content": text}])
-        vanilla = tokens_of(engine_fp32.generate(ids, "vanilla", max_new_tokens=48))
-        assert tokens_of(engine_fp32.generate(ids, "eagle", max_new_tokens=48)) == vanilla
+        vanilla = tokens_of(engine_fp32.generate(ids, method="vanilla", max_new_tokens=48))
+        assert tokens_of(engine_fp32.generate(ids, method="eagle", max_new_tokens=48)) == vanilla
 
 
 def test_shipped_eagle1_head_is_lossless_with_real_acceptance(engine):
     eagle1 = engine.with_head(DEFAULT_HEAD.parent / "smollm2-135m-eagle1")
     assert eagle1.head.kind == "eagle1" and eagle1.model is engine.model
     ids = engine.encode_chat([{"role": "user", "content": _prompts(1)[0]}])
-    vanilla = tokens_of(engine.generate(ids, "vanilla", max_new_tokens=48))
-    steps = list(eagle1.generate(ids, "eagle", max_new_tokens=48))
+    vanilla = tokens_of(engine.generate(ids, method="vanilla", max_new_tokens=48))
+    steps = list(eagle1.generate(ids, method="eagle", max_new_tokens=48))
     assert tokens_of(steps) == vanilla
     assert sum(s.accepted for s in steps) > 0, "the EAGLE-1 head accepted no draft"
 
 
 def test_static_tree_is_lossless_too(engine):
     ids = engine.encode_chat([{"role": "user", "content": _prompts(2)[1]}])
-    vanilla = tokens_of(engine.generate(ids, "vanilla", max_new_tokens=32))
-    assert tokens_of(engine.generate(ids, "eagle", max_new_tokens=32, tree="static")) == vanilla
+    vanilla = tokens_of(engine.generate(ids, method="vanilla", max_new_tokens=32))
+    assert tokens_of(engine.generate(ids, method="eagle", max_new_tokens=32, tree="static")) == vanilla
 
 
 def test_multi_turn_chat_text(engine):

@@ -68,7 +68,7 @@ def test_engine_sampling_matches_vanilla_distribution(prompt):
     firsts = {}
     for seed in range(400):
         for method in counts:
-            toks = tokens_of(engine.generate(prompt, method, seed=seed, **params))
+            toks = tokens_of(engine.generate(prompt, method=method, seed=seed, **params))
             if method == "vanilla":
                 firsts[seed] = toks[0]
             assert toks[0] == firsts[seed], "the first token comes from prefill with the same seed"

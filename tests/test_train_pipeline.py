@@ -41,7 +41,7 @@ def write_source(path, count: int) -> None:
 
 
 def greedy(engine: Engine, ids: list[int], method: str) -> list[int]:
-    return [t for step in engine.generate(ids, method, max_new_tokens=24) for t in step.tokens]
+    return [t for step in engine.generate(ids, method=method, max_new_tokens=24) for t in step.tokens]
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle1"])

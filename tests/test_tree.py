@@ -3,7 +3,7 @@ import torch
 
 from conftest import tiny_engine
 from engine.draft.drafter import Drafter
-from engine.tree import MC_SIM_7B_63, DraftTree
+from engine.tree import DraftTree, DynamicTree, StaticTree
 
 
 def _check_tree(tree: DraftTree):
@@ -37,7 +37,7 @@ def _drafter(kind, prompt):
 
 
 def test_static_tree_has_the_published_shape(prompt):
-    tree = _drafter("eagle1", prompt).propose(7, "static", 0, 0, 0, MC_SIM_7B_63)
+    tree = _drafter("eagle1", prompt).propose(7, StaticTree())
     assert len(tree) == 26  # 25 drafted nodes + root
     assert tree.depths.max() == 5
     assert sum(1 for kids in tree.children() if not kids) == 15  # leaves, as in the official buffers
@@ -47,7 +47,7 @@ def test_static_tree_has_the_published_shape(prompt):
 def test_dynamic_tree_size_and_ranking(prompt):
     drafter = _drafter("eagle3", prompt)
     for total, depth, k in [(10, 3, 4), (24, 5, 8), (60, 7, 10)]:
-        tree = drafter.propose(7, "dynamic", k, depth, total)
+        tree = drafter.propose(7, DynamicTree(total, depth, k))
         assert len(tree) == min(total, 1 + k + depth * k * k)
         assert tree.depths.max() <= depth + 1
         assert tree.tokens[0] == 7

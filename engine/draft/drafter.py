@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import DraftTree, grow_dynamic, grow_static
+from ..tree import DraftTree, TreeSpec
 from .head import DraftHead
 from .layers import KV
 
@@ -52,11 +52,10 @@ class Drafter:
         self._last_hidden = out[0, -1]
 
     @torch.inference_mode()
-    def propose(self, root: int, tree: str, top_k: int, depth: int, total_tokens: int, paths=None) -> DraftTree:
+    def propose(self, root: int, tree: TreeSpec) -> DraftTree:
+        """Grow the tree `tree` specifies under `root`, from the head's output at the last committed slot."""
         self._tree_kv = None
-        if tree == "dynamic":
-            return grow_dynamic(self, root, self._last_hidden, top_k, depth, total_tokens)
-        return grow_static(self, root, self._last_hidden, paths)
+        return tree.grow(self, root, self._last_hidden)
 
     # Expander protocol, used by engine/tree.py
     def expand(self, hidden: torch.Tensor, tokens: torch.Tensor, level: int, visible: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""The public entry point: a base model, an optional draft head, and one generation at a time over them."""
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .attention import use_wide_attention
+from .draft.checkpoint import DEFAULT_HEAD, load_head
+from .draft.drafter import Drafter
+from .draft.head import DraftHead
+from .generate import Step, check_prompt, decode
+from .models import DEFAULT_BASE, DEFAULT_DEVICE, load_base, resolve_dtype
+from .packed import bf16_native, pack_linears, packable_dtypes
+from .params import DecodeParams
+from .target import Target
+
+_ROLES = ("system", "user", "assistant")
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """A base model, an optional draft head, and a lock so that one generation runs at a time."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        head: DraftHead | None = None,
+        *,
+        pack: bool = False,
+    ):
+        """pack: replace the CPU linear layers of model and head by oneDNN-packed ones (engine.packed) and, for a
+        model wholly on the CPU, its attention by engine.attention's: every row of a forward then comes out the same
+        bits whatever the batch, so verification agrees exactly with one-token decoding. Changes the model in place."""
+        self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
+        self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
+        self.wide_attention = pack and use_wide_attention(model)
+        if self.wide_attention and model.dtype not in packable_dtypes():
+            log.warning("%s linear layers cannot be packed on this CPU, so a tree forward may round differently "
+                        "from one-token decoding and greedy EAGLE may differ from plain decoding: use float32",
+                        str(model.dtype).removeprefix("torch."))
+        text_config = model.config.get_text_config()
+        self.target = Target(model, head.feature_layers(text_config.num_hidden_layers) if head else None)
+        self._lock = threading.Lock()
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.stop_ids = tuple(sorted(set(eos)))
+
+    @classmethod
+    def load(
+        cls,
+        base: str | None = None,
+        head: str | Path | None = "default",
+        *,
+        device: str = DEFAULT_DEVICE,
+        dtype: str = "auto",
+        head_dtype: str | None = None,
+        quantization: str = "none",
+        attn: str = "sdpa",
+        max_memory: str | None = None,
+        pack: bool = True,
+    ) -> "Engine":
+        """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise.
+
+        dtype "auto" is bfloat16 where the engine is exact and faster in it (see _auto_dtype), float32 elsewhere;
+        quantization, attn and max_memory (a per-GPU cap for device="auto") are explained in engine.models;
+        pack packs the linear layers that run on the CPU for oneDNN (engine.packed) and gives a model wholly on the
+        CPU engine.attention's attention (whatever attn says), changing the model in place.
+        head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16; the
+        head's precision never changes the output (verification decides), only how fast and how well it drafts.
+        """
+        if head == "default":
+            head = DEFAULT_HEAD if base in (None, "", DEFAULT_BASE) and DEFAULT_HEAD.exists() else None
+        if head and attn == "flash_attention_2":
+            raise ValueError("flash_attention_2 cannot apply the tree mask that EAGLE verification needs: "
+                             "use attn='sdpa' with a draft head (flash_attention_2 serves plain decoding only)")
+        if dtype == "auto":
+            dtype = _auto_dtype(device, quantization, pack)
+        model, tokenizer = load_base(
+            base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
+        )
+        draft = _load_head(head, model, head_dtype, pack) if head else None
+        return cls(model, tokenizer, draft, pack=pack)
+
+    def with_head(self, head: str | Path, head_dtype: str | None = None) -> "Engine":
+        """Another engine on this one's base model (shared, not copied) that drafts with another head: for comparing
+        heads side by side. The two share one lock, as they share the model: one generation at a time."""
+        other = Engine(self.model, self.tokenizer, _load_head(head, self.model, head_dtype, self.pack), pack=self.pack)
+        other._lock = self._lock
+        return other
+
+    @property
+    def max_context(self) -> int:
+        return self.target.max_context
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation in the model's chat template, ready for the assistant's reply."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("the conversation is empty: give at least one user message")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in _ROLES:
+                raise ValueError(f"message {i} needs a role among {', '.join(_ROLES)}")
+            if not isinstance(message.get("content"), str):
+                raise ValueError(f"message {i} has non-text content; only text messages are supported")
+        if messages[-1]["role"] != "user":
+            raise ValueError("the last message must come from the user")
+        if not messages[-1]["content"].strip():
+            raise ValueError("the last user message is empty")
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def generate(self, prompt_ids: list[int], params: DecodeParams | None = None, **options) -> Iterator[Step]:
+        """Stream Steps for prompt_ids. `options` change `params` (default DecodeParams()) as
+        DecodeParams.with_options does. Waits for any other generation to finish first."""
+        params = (params or DecodeParams()).with_options(**options)
+        if params.method == "eagle" and self.head is None:
+            raise ValueError("method 'eagle' needs a draft head; load one with head=... or use method='vanilla'")
+        check_prompt(prompt_ids, self.max_context)
+        return self._locked(prompt_ids, params)
+
+    def _locked(self, prompt_ids: list[int], params: DecodeParams) -> Iterator[Step]:
+        with self._lock:
+            drafter = Drafter(self.head) if params.method == "eagle" else None
+            yield from decode(self.target, drafter, prompt_ids, params, self.stop_ids)
+
+    def chat(self, messages: list[dict], params: DecodeParams | None = None, **options) -> Iterator[Step]:
+        return self.generate(self.encode_chat(messages), params, **options)
+
+    def chat_text(self, messages: list[dict], params: DecodeParams | None = None, **options) -> str:
+        """Text in, text out: the assistant's whole reply."""
+        ids = [tok for step in self.chat(messages, params, **options) for tok in step.tokens]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _auto_dtype(device: str, quantization: str, pack: bool) -> str:
+    """bfloat16 for a packed model on a CPU that multiplies bf16 natively: it reads half the bytes of float32, and
+    packed layers with engine.attention keep every row batch-invariant, so verification is exact in it. float32
+    elsewhere: GPU kernels and quantized layers round a tree forward differently from one-token decoding."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return "bfloat16" if pack and on_cpu and quantization == "none" and bf16_native() else "float32"
+
+
+def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None, pack: bool) -> DraftHead:
+    """Load a head for `model`; head_dtype None means bfloat16 for a packed head on a CPU with native bf16, else the
+    base model's dtype."""
+    on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
+    if head_dtype is None and pack and on_cpu and bf16_native():
+        head_dtype = "bfloat16"
+    return load_head(head, model, resolve_dtype(head_dtype) if head_dtype else None)

@@ -1,0 +1,50 @@
+"""Decoding settings as one value, built where a request enters (library call, UI, benchmark, API) and handed
+whole to the decoding loop. Every default is declared once, here and in the objects it holds."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from .tree import TREES, DynamicTree, TreeSpec
+from .verify import Sampling
+
+METHODS = ("vanilla", "eagle")
+_SAMPLING_OPTIONS = ("temperature", "top_p", "top_k")
+_DYNAMIC_TREE_OPTIONS = {"total_tokens": "total_tokens", "depth": "depth", "draft_top_k": "top_k"}
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """How to answer one request: the method, the answer's length, how to pick tokens, which tree to draft."""
+
+    method: str = "eagle"  # "vanilla": no drafting, one base forward per token (the honest baseline)
+    max_new_tokens: int = 256
+    sampling: Sampling = field(default_factory=Sampling)
+    tree: TreeSpec = field(default_factory=DynamicTree)
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+
+    def with_options(self, **options) -> DecodeParams:
+        """A copy with flat options changed, the shape command-line flags, UI controls and API fields arrive in:
+        temperature, top_p, top_k (sampling); tree ("dynamic" or "static"); total_tokens, depth, draft_top_k (the
+        dynamic tree); and this class's own fields."""
+        sampling = {name: options.pop(name) for name in _SAMPLING_OPTIONS if name in options}
+        shape = {key: options.pop(name) for name, key in _DYNAMIC_TREE_OPTIONS.items() if name in options}
+        tree = options.pop("tree", self.tree)
+        if isinstance(tree, str):
+            if tree not in TREES:
+                raise ValueError(f"unknown tree {tree!r}; choose one of {', '.join(TREES)}")
+            tree = self.tree if isinstance(self.tree, TREES[tree]) else TREES[tree]()
+        if shape:
+            if not isinstance(tree, DynamicTree):
+                raise ValueError(f"{', '.join(shape)} shape the dynamic tree; a static tree has fixed paths")
+            tree = replace(tree, **shape)
+        unknown = sorted(set(options) - {f.name for f in fields(self)})
+        if unknown:
+            known = [f.name for f in fields(self) if f.name != "sampling"] + [*_SAMPLING_OPTIONS, *_DYNAMIC_TREE_OPTIONS]
+            raise TypeError(f"unknown decoding option {', '.join(unknown)}; known: {', '.join(known)}")
+        return replace(self, sampling=replace(self.sampling, **sampling), tree=tree, **options)

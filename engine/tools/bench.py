@@ -1,0 +1,292 @@
+"""`python -m engine.bench`: decoding methods side by side on MT-bench style prompts: speed, acceptance and exactness.
+
+Methods:
+  vanilla  the engine without drafting, one base forward per token: the honest baseline
+  eagle    the engine with its draft head (EAGLE trees, lossless verification)
+  hf       transformers `generate` on the same model, as transformers runs it (stock layers, SDPA attention), in
+           the engine's dtype or --hf-dtype's (say float32, transformers' fastest on a CPU where the engine runs bf16)
+  hf-pld   transformers prompt lookup decoding (prompt_lookup_num_tokens=10)
+  NAME     with --compare-head NAME=HEAD: the engine drafting with another head (say an EAGLE-1 head beside the
+           shipped EAGLE-3 one), on the same base model in the same run
+
+On the CPU the engine's linear layers are packed for oneDNN (engine/packed.py; --no-pack turns that off), so
+hf and hf-pld get a second, unpacked copy of the model: they measure transformers itself.
+
+Each question's first turn goes through the chat template. Methods alternate question by question, in an order
+that rotates per question, so a noisy machine slows them all alike; each method first runs one short untimed
+warm-up generation.
+
+tau = new tokens per decoding forward of the base model. The prefill forward and the token it produces are left
+out, so tau = (tokens - 1) / (forwards - 1), summed over questions: plain decoding gives exactly 1.0, and a
+speculative method's tau is its mean accepted length (accepted drafts + the base model's own token per round).
+Per-round times (draft, verify, other) are means over decoding rounds, prefill excluded.
+
+--json writes config, summary.<method> = {tokens, wall_s, tokens_per_s, tau, tau_by_category, rounds, draft_ms,
+verify_ms, other_ms, accepted_per_round, matches_vanilla, speedup_vs_vanilla} and questions[i] = {question_id, category,
+prompt_tokens, results.<method> = {token_ids, wall_s, target_forwards}}. At temperature 0 every method must
+reproduce vanilla's tokens exactly; a WARNING line says which did not. hf methods are held to that only in float32
+and the engine's dtype: transformers' own kernels round bf16/fp16 differently from the engine's (exact) ones.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import PreTrainedModel
+from tqdm import tqdm
+
+from ..draft.checkpoint import DEFAULT_HEAD
+from ..engine import Engine
+from ..models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, load_base
+from ..params import DecodeParams
+from ..tree import TREES, DynamicTree
+from .costs import verification_curve
+from .report import add_speedups, exactness_warnings, plot, print_table, summarize
+from .runs import SHARED_QUESTIONS, Run, first_turn_prompts, load_questions, run_engine, run_hf
+
+METHODS = ("vanilla", "eagle", "hf", "hf-pld")
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class Setup:
+    """What the command line asks for, checked before any model is loaded."""
+
+    methods: list[str]
+    compare_heads: dict[str, str]
+    questions: list[dict]
+    params: DecodeParams
+    curve_sizes: list[int] | None
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method {', '.join(map(repr, unknown))}; choose among {', '.join(METHODS)}")
+    if not methods:
+        raise ValueError(f"no method given; choose among {', '.join(METHODS)}")
+    return list(dict.fromkeys(methods))
+
+
+def parse_compare_heads(specs: list[str]) -> dict[str, str]:
+    """--compare-head NAME=HEAD options as {method name: head}; a name may not shadow a method or repeat."""
+    heads: dict[str, str] = {}
+    for spec in specs:
+        name, sep, head = spec.partition("=")
+        name, head = name.strip(), head.strip()
+        if not sep or not name or not head:
+            raise ValueError(f"--compare-head takes NAME=HEAD (say eagle1=runs/e1/head), got {spec!r}")
+        if name in METHODS or name in heads:
+            raise ValueError(f"--compare-head name {name!r} is already a method; pick another")
+        heads[name] = head
+    return heads
+
+
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--verify-curve takes comma-separated tree sizes such as 1,8,16; got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"tree sizes must be at least 1; got {text!r}")
+    return sizes
+
+
+def decode_params(args: argparse.Namespace) -> DecodeParams:
+    """The decoding settings of every engine method; the tree options are passed only when given."""
+    tree_options = {name: getattr(args, name) for name in ("total_tokens", "depth", "draft_top_k")
+                    if getattr(args, name) is not None}
+    return DecodeParams().with_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                       seed=args.seed, tree=args.tree, **tree_options)
+
+
+def run_method(engines: dict[str, Engine], hf_model: PreTrainedModel, method: str, prompt: list[int],
+               params: DecodeParams) -> Run:
+    """engines: the main engine under "vanilla" and "eagle", and one per --compare-head name."""
+    if method in engines:
+        return run_engine(engines[method], prompt, params.with_options(method="vanilla" if method == "vanilla"
+                                                                        else "eagle"))
+    return run_hf(engines["vanilla"], hf_model, prompt, params, lookup=method == "hf-pld")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keep the docstring's layout and show every option's default."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    tree = DynamicTree()
+    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__, formatter_class=_HelpFormatter)
+    add = parser.add_argument
+    add("--questions", default=SHARED_QUESTIONS if SHARED_QUESTIONS.exists() else None,
+        required=not SHARED_QUESTIONS.exists(), help="MT-bench JSON lines: question_id, category, turns")
+    add("--limit", type=int, default=20, help="benchmark the first N questions")
+    add("--max-new-tokens", type=int, default=128, help="new tokens per answer at most")
+    add("--temperature", type=float, default=0.0, help="0 = greedy")
+    add("--seed", type=int, default=None, help="sampling seed, set before every generation")
+    add("--methods", default=",".join(METHODS), help="comma-separated list")
+    add("--base", default=None, help="base model: .gguf file, folder or hub id; unset = the embedded SmolLM2-135M-Instruct")
+    add("--head", default="default", help="draft head folder or hub id; 'default' = the shipped head, 'none' = no head")
+    add("--compare-head", action="append", default=[], metavar="NAME=HEAD",
+        help="also run the engine with this head, as method NAME (repeatable)")
+    add("--dtype", default="auto", choices=["auto", *DTYPES],
+        help="dtype of the base model; auto: bfloat16 on a CPU with native bf16, else float32")
+    add("--hf-dtype", choices=list(DTYPES), help="dtype for hf and hf-pld (default: the engine's)")
+    add("--device", default=DEFAULT_DEVICE, help="cpu, cuda, cuda:N, or auto (GPUs if any, else the CPU)")
+    add("--quantization", default="none", choices=QUANTIZATIONS, help="bitsandbytes weights")
+    add("--tree", default="dynamic", choices=list(TREES), help="EAGLE-2 dynamic or EAGLE-1 static")
+    add("--total-tokens", type=int, help=f"dynamic tree nodes incl. root (default {tree.total_tokens})")
+    add("--depth", type=int, help=f"dynamic tree expansion steps (default {tree.depth})")
+    add("--draft-top-k", type=int, help=f"children per expanded node (default {tree.top_k})")
+    add("--no-pack", dest="pack", action="store_false",
+        help="keep the engine's CPU linear layers as transformers has them (no oneDNN packing)")
+    add("--verify-curve", default=None, metavar="SIZES",
+        help="instead of the methods: time one verification forward of each comma-separated tree size (1 = a plain "
+             "step) over a 300-token cache, and print the curve")
+    add("--json", dest="json_out", default=None, help="write the full results here")
+    add("--plot", default=None, help="write a bar chart (PNG) of tokens/s and tau here")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> Setup:
+    if args.limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    return Setup(
+        methods=parse_methods(args.methods), compare_heads=parse_compare_heads(args.compare_head),
+        questions=load_questions(args.questions, args.limit), params=decode_params(args),
+        curve_sizes=parse_sizes(args.verify_curve) if args.verify_curve else None,
+    )
+
+
+def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
+    """The engine under "vanilla" and "eagle" (if it has a head), and one per --compare-head name; setup.methods
+    loses eagle when there is no head and gains the compared heads' names."""
+    head = None if args.head.lower() == "none" else args.head
+    engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                         pack=args.pack)
+    engines = {"vanilla": engine, "eagle": engine}
+    for name, compare_head in setup.compare_heads.items():
+        try:
+            engines[name] = engine.with_head(compare_head)
+        except (ValueError, OSError) as err:
+            raise ValueError(f"--compare-head {name}: {err}") from err
+        setup.methods.append(name)
+    if "eagle" in setup.methods and engine.head is None:
+        reason = "--head none" if head is None else f"the shipped head {DEFAULT_HEAD} is missing or not for this base"
+        print(f"note: skipping method eagle: no draft head ({reason}); pass --head FOLDER", file=sys.stderr)
+        setup.methods.remove("eagle")
+    if not setup.methods:
+        raise ValueError("no method left to run")
+    return engines
+
+
+def hf_model_for(args: argparse.Namespace, engine: Engine, methods: list[str]) -> PreTrainedModel:
+    """transformers' own model for hf and hf-pld: a second, unpacked copy when the engine packed its layers or
+    the hf methods run in another dtype."""
+    hf_dtype = args.hf_dtype or _dtype_name(engine)
+    if {"hf", "hf-pld"} & set(methods) and (engine.packed_layers or hf_dtype != _dtype_name(engine)):
+        return load_base(args.base, dtype=hf_dtype, device=args.device, quantization=args.quantization)[0]
+    return engine.model
+
+
+def _dtype_name(engine: Engine) -> str:
+    return str(engine.model.dtype).removeprefix("torch.")
+
+
+def run_all(engines: dict[str, Engine], hf_model: PreTrainedModel, setup: Setup,
+            prompts: list[list[int]]) -> dict[str, list[Run]]:
+    """Every method on every prompt, after one short warm-up each; the order rotates per question."""
+    methods, params = setup.methods, setup.params
+    warmup = params.with_options(max_new_tokens=min(WARMUP_TOKENS, params.max_new_tokens))
+    for method in methods:
+        run_method(engines, hf_model, method, prompts[0], warmup)
+    runs: dict[str, list[Run]] = {m: [] for m in methods}
+    with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen") as bar:
+        for i, (q, prompt) in enumerate(zip(setup.questions, prompts)):
+            for method in methods[i % len(methods):] + methods[: i % len(methods)]:
+                bar.set_postfix(question=q["question_id"], method=method)
+                runs[method].append(run_method(engines, hf_model, method, prompt, params))
+                bar.update()
+    return runs
+
+
+def build_report(args: argparse.Namespace, setup: Setup, engine: Engine, prompts: list[list[int]],
+                 runs: dict[str, list[Run]]) -> dict:
+    methods, params = setup.methods, setup.params
+    summary = {m: summarize(runs[m], runs.get("vanilla"), [q["category"] for q in setup.questions]) for m in methods}
+    add_speedups(summary)
+    hf_methods = {"hf", "hf-pld"} & set(methods)
+    config = {
+        "base": args.base or "embedded SmolLM2-135M-Instruct",
+        "head": (str(DEFAULT_HEAD) if args.head == "default" else args.head) if engine.head else None,
+        "compare_heads": setup.compare_heads, "dtype": _dtype_name(engine),
+        "hf_dtype": (args.hf_dtype or _dtype_name(engine)) if hf_methods else None, "device": args.device,
+        "questions": str(args.questions), "count": len(setup.questions), "methods": methods,
+        "date": datetime.now().astimezone().isoformat(sep=" ", timespec="minutes"), "torch": torch.__version__,
+        "transformers": transformers.__version__, "threads": torch.get_num_threads(), "packed": args.pack,
+        "max_new_tokens": params.max_new_tokens, "temperature": params.sampling.temperature, "seed": params.seed,
+        "tree": {"kind": type(params.tree).__name__, **asdict(params.tree)},
+    }
+    questions = [
+        {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(prompt),
+         "results": {m: {"token_ids": runs[m][i].token_ids, "wall_s": runs[m][i].wall_s,
+                         "target_forwards": runs[m][i].target_forwards} for m in methods}}
+        for i, (q, prompt) in enumerate(zip(setup.questions, prompts))
+    ]
+    return {"config": config, "summary": summary, "questions": questions}
+
+
+def print_report(report: dict) -> None:
+    """The table, then which dtypes ran and, at temperature 0, which methods failed to reproduce vanilla."""
+    config, summary = report["config"], report["summary"]
+    print_table(summary, config["count"])
+    hf_methods = {"hf", "hf-pld"} & set(config["methods"])
+    if hf_methods and config["hf_dtype"] != config["dtype"]:
+        print(f"note: {' and '.join(sorted(hf_methods))} ran in {config['hf_dtype']}, the engine in {config['dtype']}")
+    if config["temperature"] == 0:
+        exact_dtypes = config["hf_dtype"] == config["dtype"] == "float32"
+        for line in exactness_warnings(summary, config["count"], set() if exact_dtypes else hf_methods):
+            print(line)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        setup = check_args(args)
+        engines = load_engines(args, setup)  # CheckpointError is a ValueError; a missing base is FileNotFoundError
+        engine = engines["vanilla"]
+        if setup.curve_sizes:
+            return print_curve(engine, setup.curve_sizes)
+        prompts = first_turn_prompts(engine, setup.questions)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    runs = run_all(engines, hf_model_for(args, engine, setup.methods), setup, prompts)
+    report = build_report(args, setup, engine, prompts, runs)
+    print_report(report)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        head = Path(report["config"]["head"]).name if report["config"]["head"] else "no head"
+        plot(report["summary"], args.plot, f"{report['config']['base']} · {head} · {report['config']['dtype']} · "
+                                           f"{report['config']['date']}")
+    return report
+
+
+def print_curve(engine: Engine, sizes: list[int]) -> dict:
+    """--verify-curve: the base model's verification cost by tree size (engine/tools/costs.py)."""
+    rows = verification_curve(engine.target, sizes)
+    print("tree tokens  ms/forward  x one-token step")
+    for row in rows:
+        print(f"{row['tree_tokens']:>11}  {row['ms']:>10.1f}  {row['ratio']:>16.2f}")
+    return {"verification_curve": rows}
+
+
+if __name__ == "__main__":
+    main()

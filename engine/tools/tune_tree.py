@@ -1,0 +1,68 @@
+"""Find the draft-tree settings that maximise tokens/s on this machine: `python -m engine.tools.tune_tree`.
+
+A tree's cost is one base forward over all its nodes, which is far from free on a CPU, so the best tree is a
+trade-off between acceptance (bigger trees accept more) and verification cost. Every setting and plain decoding
+run on the same prompts, interleaved prompt by prompt, so the ratios hold on a noisy machine.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+from tqdm import tqdm
+
+from ..engine import Engine
+from ..params import DecodeParams
+from ..tree import DynamicTree
+from .report import summarize
+from .runs import SHARED_QUESTIONS, first_turn_prompts, load_questions, run_engine
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--questions", default=SHARED_QUESTIONS)
+    parser.add_argument("--limit", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--base", default=None)
+    parser.add_argument("--head", default="default")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--total-tokens", default="8,12,16,24,32", help="comma-separated values to try")
+    parser.add_argument("--depth", default="3,4,5,6")
+    parser.add_argument("--draft-top-k", default="4,8")
+    return parser.parse_args(argv)
+
+
+def tree_grid(total_tokens: str, depth: str, top_k: str) -> list[DynamicTree]:
+    """Every combination of the comma-separated values that can fill its node budget."""
+    values = (map(int, v.split(",")) for v in (total_tokens, depth, top_k))
+    return [DynamicTree(t, d, k) for t, d, k in itertools.product(*values) if t - 1 <= k * (1 + d * k)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    engine = Engine.load(args.base, args.head, dtype=args.dtype)
+    questions = load_questions(args.questions, args.limit)
+    prompts, categories = first_turn_prompts(engine, questions), [q["category"] for q in questions]
+    plain = DecodeParams(method="vanilla", max_new_tokens=args.max_new_tokens)
+    settings = {"vanilla": plain} | {tree: DecodeParams(max_new_tokens=args.max_new_tokens, tree=tree)
+                                     for tree in tree_grid(args.total_tokens, args.depth, args.draft_top_k)}
+    run_engine(engine, prompts[0], DecodeParams(max_new_tokens=8))  # warm-up
+    runs = {key: [] for key in settings}
+    with tqdm(total=len(prompts) * len(runs), desc="tune") as bar:
+        for prompt in prompts:
+            for key, params in settings.items():
+                runs[key].append(run_engine(engine, prompt, params))
+                bar.update()
+    plain_runs = runs.pop("vanilla")
+    vanilla = summarize(plain_runs, None, categories)
+    print(f"vanilla: {vanilla['tokens_per_s']:.2f} tok/s")
+    print("total_tokens depth draft_top_k   tok/s  x vanilla   tau  draft ms  verify ms  = vanilla")
+    rows = [(summarize(r, plain_runs, categories), tree) for tree, r in runs.items()]
+    for s, tree in sorted(rows, key=lambda row: -row[0]["tokens_per_s"]):
+        print(f"{tree.total_tokens:12d} {tree.depth:5d} {tree.top_k:11d} {s['tokens_per_s']:7.2f} "
+              f"{s['tokens_per_s'] / vanilla['tokens_per_s']:9.2f} {s['tau']:5.2f} {s['draft_ms']:9.1f} "
+              f"{s['verify_ms']:10.1f}  {s['matches_vanilla']}/{len(prompts)}")
+
+
+if __name__ == "__main__":
+    main()
