@@ -13,7 +13,8 @@ from transformers import (
 )
 from transformers.utils.quantization_config import GgufConfig
 
-from .placement import gpu_budgets, plan_device_map
+from .packed import bf16_native
+from .placement import gpu_budgets, model_bytes, plan_device_map
 
 DEFAULT_BASE = "smollm2"
 DEFAULT_DEVICE = "auto"  # every GPU there is (one when the model fits), else the CPU: the app, library, bench, training
@@ -121,9 +122,10 @@ def quantization_config(quantization: str, compute_dtype: torch.dtype) -> BitsAn
 
 
 def resolve_device(device: str) -> str:
-    """Check a device name; "auto" becomes every GPU ("auto", see engine.placement), the only GPU, or the CPU."""
+    """Check a device name; "auto" stays "auto" where torch sees a GPU (engine.placement picks one or several) and
+    becomes the CPU elsewhere."""
     if device == "auto":
-        return "auto" if torch.cuda.device_count() > 1 else "cuda:0" if torch.cuda.is_available() else "cpu"
+        return "auto" if torch.cuda.is_available() else "cpu"
     try:
         kind = torch.device(device).type
     except RuntimeError as err:
@@ -131,6 +133,59 @@ def resolve_device(device: str) -> str:
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} needs a CUDA GPU, and torch {torch.__version__} sees none")
     return device
+
+
+def on_gpu(device: str) -> bool:
+    """Whether `device` (as given to load_model) puts the model on CUDA GPUs."""
+    return torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+
+
+def auto_dtype(device: str, quantization: str = "none", pack: bool = True) -> str:
+    """What dtype="auto" means for a model loaded onto `device`.
+
+    On a GPU, bfloat16 (float16 on GPUs without native bf16): float32 doubles the memory (an 8B model no longer fits a
+    24 GB card) and leaves bitsandbytes' 4-bit layers off their fast path. There greedy EAGLE equals plain decoding
+    except at floating-point near-ties, as a tree and a one-token step run different kernels. On the CPU, bfloat16 for
+    a packed, unquantized model where the CPU multiplies bf16 natively (packed layers and engine.attention keep every
+    row batch-invariant, so verification stays exact, and a step reads half the bytes); float32 elsewhere.
+    """
+    if on_gpu(device):
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
+    return "bfloat16" if pack and quantization == "none" and bf16_native() else "float32"
+
+
+def _gpu_indices(device: str) -> list[int] | None:
+    """The GPUs a CUDA device name allows: None (every visible one) for "auto"."""
+    if device == "auto":
+        return None
+    index = torch.device(device).index
+    return [torch.cuda.current_device() if index is None else index]
+
+
+def _device_map(config_source: tuple[str, dict], device: str, dtype: torch.dtype, quantization: str,
+                max_memory: str | None) -> dict | None:
+    """from_pretrained's device_map: planned over the allowed GPUs (one when the model fits there, checked before
+    loading), so weights go straight there; None for a plain CPU load (bitsandbytes quantizes while loading onto the
+    device, so it gets the CPU named)."""
+    if on_gpu(device):
+        config = AutoConfig.from_pretrained(config_source[0], **config_source[1])
+        return plan_device_map(config, dtype, quantization, gpu_budgets(max_memory, _gpu_indices(device)))
+    return {"": device} if device != "cpu" or quantization != "none" else None
+
+
+def _from_pretrained(name: str, kwargs: dict, dtype: torch.dtype, quantization: str, **options) -> PreTrainedModel:
+    """from_pretrained onto the planned devices; running out of GPU memory there is explained, not a traceback."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **options, **kwargs)
+    except torch.OutOfMemoryError as err:
+        config = AutoConfig.from_pretrained(name, **{k: v for k, v in kwargs.items() if k != "device_map"})
+        needed = model_bytes(config, dtype, quantization) / 2**30
+        raise MemoryError(
+            f"{name} ran out of GPU memory while loading onto {kwargs.get('device_map')}: it needs about "
+            f"{needed:.1f} GiB ({str(dtype).removeprefix('torch.')}, quantization {quantization}, with a draft head). "
+            "Try --quantization 4bit, a lower --max-memory to leave room for other processes, or a smaller model. "
+            f"CUDA said: {str(err).splitlines()[0]}"
+        ) from err
 
 
 def load_model(
@@ -144,18 +199,21 @@ def load_model(
 ) -> PreTrainedModel:
     """Load a causal LM for inference (eval mode, no gradients).
 
-    device: "cpu", "cuda", "cuda:N", or "auto" (all visible GPUs, layers balanced, each GPU capped at
-    max_memory, e.g. "20GiB"). quantization: "none", "8bit" or "4bit" (bitsandbytes, Hugging Face checkpoints).
+    device: "cpu", "cuda", "cuda:N", or "auto" (the first GPU when the model fits there, else its layers balanced over
+    every visible GPU; the CPU without GPUs). max_memory (e.g. "20GiB") caps what each GPU may hold. quantization:
+    "none", "8bit" or "4bit" (bitsandbytes, Hugging Face checkpoints). A model too large for its GPUs is refused
+    before loading, with its size.
     """
     dtype = resolve_dtype(dtype)
     if attn_implementation not in ATTENTIONS:
         raise ValueError(f"unknown attention {attn_implementation!r}; choose one of {', '.join(ATTENTIONS)}")
-    if max_memory is not None and device != "auto":
-        raise ValueError("max_memory caps each GPU when device='auto' spreads the model over several GPUs")
+    if max_memory is not None and device == "cpu":
+        raise ValueError("max_memory caps each GPU when device='auto' or 'cuda:N' places the model; "
+                         "the CPU has no cap")
     device = resolve_device(device)
     if attn_implementation == "flash_attention_2":
         require("flash_attn", "attention flash_attention_2", "-r requirements-gpu.txt")
-        if not device.startswith(("cuda", "auto")):
+        if device == "cpu":
             raise ValueError("flash_attention_2 runs on CUDA GPUs only; use sdpa on the CPU")
     name, kwargs = _source(base)
     quantize = quantization_config(quantization, dtype)
@@ -164,22 +222,18 @@ def load_model(
             f"--quantization {quantization} applies to Hugging Face checkpoints (a folder or hub id); a GGUF file "
             "is loaded as it is: use --quantization none"
         )
-    if device == "auto":
-        config = AutoConfig.from_pretrained(name, **kwargs)
-        kwargs["device_map"] = plan_device_map(config, dtype, quantization, gpu_budgets(max_memory))
-    elif quantize is not None:
-        kwargs["device_map"] = {"": device}  # bitsandbytes quantizes while loading onto the device
+    device_map = _device_map((name, kwargs), device, dtype, quantization, max_memory)
     if "gguf_file" in kwargs:
         # Dequantized to float weights (the engine packs them for oneDNN). Said up front, or transformers warns that
         # its quantized GGUF kernels prefer float32 before it finds it has none here and dequantizes anyway.
         loading = GgufConfig(gguf_file=kwargs["gguf_file"], dequantize=True)
     else:
         loading = quantize
-    model = AutoModelForCausalLM.from_pretrained(
-        name, dtype=dtype, attn_implementation=attn_implementation, quantization_config=loading, **kwargs
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    model = _from_pretrained(
+        name, kwargs, dtype, quantization, attn_implementation=attn_implementation, quantization_config=loading
     )
-    if "device_map" not in kwargs:
-        model.to(device)
     return model.eval().requires_grad_(False)
 
 

@@ -6,7 +6,8 @@ layers are split into contiguous runs, one per GPU, balanced by bytes and capped
 verification forward crosses each device boundary once (hidden states, a few kilobytes per token).
 
 The split itself (`split_layers`, `device_map_for`, `head_device`) is pure and unit-tested with fake devices;
-`plan_device_map` measures a meta-device skeleton of the model and the visible GPUs' free memory around it.
+`plan_device_map` measures a meta-device skeleton of the model and the visible GPUs' free memory around it, and
+keeps the whole model on one GPU when it fits there: a split is for models that one GPU cannot hold.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def split_layers(layer_bytes: list[int], anchored_bytes: int, budgets: dict[Devi
     if total > sum(budgets.values()):
         raise MemoryError(
             f"the model needs about {total / 2**30:.2f} GiB but the devices offer "
-            f"{sum(budgets.values()) / 2**30:.2f} GiB ({_gib(budgets)}); quantize it (--quantization 4bit) "
-            "or raise --max-memory"
+            f"{sum(budgets.values()) / 2**30:.2f} GiB ({_gib(budgets)}); quantize it (--quantization 4bit), "
+            "raise --max-memory if it capped them, or choose a smaller model"
         )
     shares = _even_shares(total, budgets)
     loads = dict.fromkeys(devices, 0)
@@ -121,32 +122,54 @@ def module_bytes(module: nn.Module, float_bytes: int, quantization: str = "none"
     return int(total)
 
 
-def gpu_budgets(max_memory: str | int | None = None) -> dict[int, int]:
-    """Bytes each visible GPU may hold: its free memory less HEADROOM, capped by `max_memory` (e.g. "20GiB")."""
+def gpu_budgets(max_memory: str | int | None = None, indices: list[int] | None = None) -> dict[int, int]:
+    """Bytes each GPU in `indices` (default: every visible one) may hold: its free memory less HEADROOM, capped by
+    `max_memory` (e.g. "20GiB")."""
     from accelerate.utils import convert_file_size_to_int
 
     cap = convert_file_size_to_int(max_memory) if max_memory is not None else None
     budgets = {}
-    for index in range(torch.cuda.device_count()):
+    for index in range(torch.cuda.device_count()) if indices is None else indices:
         free, _ = torch.cuda.mem_get_info(index)
         budget = int(free * (1 - HEADROOM))
         budgets[index] = budget if cap is None else min(budget, cap)
     return budgets
 
 
-def plan_device_map(
-    config, dtype: torch.dtype, quantization: str = "none", budgets: dict[Device, int] | None = None
-) -> dict[str, Device]:
-    """The device_map for `--device auto`: balanced over `budgets` (default: the visible GPUs' free memory)."""
+def _skeleton(config, dtype: torch.dtype) -> nn.Module:
+    """The model built on the meta device: its modules and shapes, no memory."""
     from transformers import AutoModelForCausalLM
 
-    budgets = gpu_budgets() if budgets is None else budgets
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _footprint(skeleton: nn.Module, dtype: torch.dtype, quantization: str) -> tuple[list[int], int]:
+    """Bytes of each decoder layer, and of what stays with the LM head plus a draft head (one float layer)."""
     float_bytes = torch.finfo(dtype).bits // 8
     layers = skeleton.get_decoder().layers
     layer_bytes = [module_bytes(layer, float_bytes, quantization) for layer in layers]
-    # Everything outside the decoder layers stays in float; reserve one float layer more for the draft head.
+    # Everything outside the decoder layers stays in float (bitsandbytes skips the LM head and embeddings).
     anchored = module_bytes(skeleton, float_bytes) - sum(module_bytes(layer, float_bytes) for layer in layers)
-    anchored += module_bytes(layers[0], float_bytes)
+    return layer_bytes, anchored + module_bytes(layers[0], float_bytes)
+
+
+def model_bytes(config, dtype: torch.dtype, quantization: str = "none") -> int:
+    """Memory the loaded model takes, with room for a draft head: what a device must offer to hold it all."""
+    layer_bytes, anchored = _footprint(_skeleton(config, dtype), dtype, quantization)
+    return sum(layer_bytes) + anchored
+
+
+def plan_device_map(
+    config, dtype: torch.dtype, quantization: str = "none", budgets: dict[Device, int] | None = None
+) -> dict[str, Device]:
+    """The device_map for a model on GPUs: all of it on the first device of `budgets` (default: the visible GPUs'
+    free memory) when it fits there, else decoder layers balanced over them. One device saves the cross-device copies
+    and accelerate's hooks on every module call that a split costs."""
+    budgets = gpu_budgets() if budgets is None else budgets
+    skeleton = _skeleton(config, dtype)
+    layer_bytes, anchored = _footprint(skeleton, dtype, quantization)
+    first = next(iter(budgets), None)
+    if first is not None and sum(layer_bytes) + anchored <= budgets[first]:
+        return {"": first}
     return device_map_for(skeleton, split_layers(layer_bytes, anchored, budgets))

@@ -71,10 +71,30 @@ class Attention(nn.Module):
         cos, sin = (r.unsqueeze(1) if r.dim() == 3 else r for r in rope)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
-        )
+        out = attend(q, keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of q [B, H, T, hd] over keys/values [B, kv_heads, S, hd] that query heads share in groups; mask: None or
+    bool [B|1, 1, T, S].
+
+    CUDA's fused kernels take a mask or grouped heads, not both: given both, SDPA falls back to the math kernel and
+    its float32 [B, H, T, S] scores (4 GiB for a 4 k-token prompt with 32 heads). With a mask, the query heads that
+    share a key/value head become extra rows of one attention over it instead, the mask repeated for each: no copy of
+    the keys, and on the CPU as fast as before.
+    """
+    batch, heads, rows, dim = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    if mask is None or groups == 1:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1)
+    if mask.shape[1] != 1:
+        raise ValueError(f"the head's attention mask is shared by its heads: [B|1, 1, T, S], got {list(mask.shape)}")
+    grouped = q.reshape(batch, kv_heads, groups * rows, dim)
+    mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(2, 3)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+    return out.view(batch, heads, rows, dim)
 
 
 class MLP(nn.Module):
