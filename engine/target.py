@@ -3,7 +3,9 @@ returning final-norm hidden states and the features a draft head reads, through 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+
+from .cache import GrowingCache
 
 
 class Target:
@@ -37,14 +39,14 @@ class Target:
 
         return hook
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+    def new_cache(self) -> GrowingCache:
+        return GrowingCache()
 
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
-        cache: DynamicCache,
+        cache: GrowingCache,
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:

