@@ -16,7 +16,6 @@ from engine.models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS
 from app.chat import ChatService, EngineThread
 from app.ui import CSS, build_demo
 
-CALIBRATION_TOKENS = 24
 
 
 def parse_auth(value: str) -> tuple[str, str]:
@@ -65,9 +64,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"app.py: error: {err}") from None
     service = ChatService(engine, engine_thread)
     service.stream = on_gpu(service.stream)  # the generation function, under spaces.GPU on ZeroGPU hardware
-    logging.info("measuring plain decoding speed for the meter (%d tokens)…", CALIBRATION_TOKENS)
-    service.calibrate(CALIBRATION_TOKENS)
-    logging.info("plain decoding: %.1f tokens/s", service.baseline.tokens_per_s or 0.0)
     demo = build_demo(service, args.max_new_tokens)
     demo.queue(max_size=64)
     demo.launch(

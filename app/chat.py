@@ -1,25 +1,69 @@
-"""The one engine every browser session shares: a chat turn as a stream of (answer, meter) updates, one per round.
+"""The one engine every browser session shares: a chat turn as a stream of (answer, meter) updates.
 
 No Gradio here: the UI turns these updates into HTML, and tests drive the service directly.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from typing import Any, Callable, Iterator, TypeVar
 
-from engine import ContextTooLong, DecodeParams, Engine
+from engine import ContextTooLong, DecodeParams, Engine, Step
 
-from .meter import Baseline, TurnMeter
+from .meter import TurnMeter, turn_log_line
 from .render import Answer, TokenText
 
-CALIBRATION_PROMPT = [{"role": "user", "content": "Describe the sea in a few sentences."}]
-MIN_BASELINE_TOKENS = 8  # a plain-decoding turn shorter than this says little about speed
+log = logging.getLogger(__name__)
 T = TypeVar("T")
-_END = object()
+
+
+class Decoding:
+    """A generation running ahead on the engine thread: no decoding step ever waits for the page. The caller
+    takes whatever steps have arrived, at its own pace; cancel() stops the engine after the step in progress."""
+
+    def __init__(self, executor: ThreadPoolExecutor, steps: Iterator[Step], on_step: Callable[[], None]):
+        self._arrived: list[Step] = []
+        self._done, self._error = False, None
+        self._changed = threading.Condition()
+        self._cancelled = threading.Event()
+        self._future: Future = executor.submit(self._run, steps, on_step)
+
+    def _run(self, steps: Iterator[Step], on_step: Callable[[], None]) -> None:
+        try:
+            with closing(steps):
+                for step in steps:
+                    on_step()
+                    with self._changed:
+                        self._arrived.append(step)
+                        self._changed.notify()
+                    if self._cancelled.is_set():
+                        return
+        except BaseException as err:  # handed to the caller, which reports it
+            self._error = err
+        finally:
+            with self._changed:
+                self._done = True
+                self._changed.notify()
+
+    def take(self, not_before: float) -> tuple[list[Step], bool]:
+        """The steps that arrived since the last take, waiting at least until `not_before` (perf_counter time)
+        unless decoding ends first, then for at least one step. Returns them and whether decoding has ended."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._done, timeout=max(0.0, not_before - time.perf_counter()))
+            self._changed.wait_for(lambda: self._arrived or self._done)
+            steps, self._arrived = self._arrived, []
+            if self._error is not None:
+                raise self._error
+            return steps, self._done and not self._arrived
+
+    def cancel(self) -> None:
+        """Stop after the step in progress and wait for the engine to let go (one round at most)."""
+        self._cancelled.set()
+        self._future.result()
 
 
 class EngineThread:
@@ -40,19 +84,17 @@ class EngineThread:
     def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return self._executor.submit(function, *args, **kwargs).result()
 
-    def iterate(self, iterator: Iterator[T]) -> Iterator[T]:
-        """The items of `iterator`, each computed on the engine thread."""
-        while (item := self.call(next, iterator, _END)) is not _END:
-            yield item
+    def decode(self, steps: Iterator[Step], on_step: Callable[[], None]) -> Decoding:
+        """Run `steps` to the end on the engine thread, ahead of whoever reads them."""
+        return Decoding(self._executor, steps, on_step)
 
 
 class ChatService:
-    """Chat turns over one engine, with the plain decoding baseline and counters shown to every session."""
+    """Chat turns over one engine, with counters shown to every session."""
 
     def __init__(self, engine: Engine, engine_thread: EngineThread | None = None):
         self.engine = engine
         self.engine_thread = engine_thread or EngineThread()
-        self.baseline = Baseline()
         self._turn = threading.Lock()  # waited for in the caller's thread, so turns never queue on the engine thread
         self._count_lock = threading.Lock()
         self.rounds = 0  # decoding rounds since start-up, every session together
@@ -66,13 +108,6 @@ class ChatService:
         with self._count_lock:
             self.rounds += rounds
             self.active += active
-
-    def calibrate(self, tokens: int = 24) -> None:
-        """Measure plain decoding on this machine: `tokens` rounds after the prefill."""
-        ids = self.engine.encode_chat(CALIBRATION_PROMPT)
-        params = DecodeParams(method="vanilla", max_new_tokens=tokens + 1)
-        for _ in self.stream(ids, params, "start-up calibration"):
-            pass
 
     def fit(self, messages: list[dict], max_new_tokens: int) -> tuple[list[int], int]:
         """Prompt ids for the conversation, dropping its oldest turns if they leave no room for the answer.
@@ -96,33 +131,35 @@ class ChatService:
                 )
             dropped += 2  # one user message and the answer to it
 
-    def stream(
-        self, prompt_ids: list[int], params: DecodeParams, baseline_source: str = "plain-decoding turns",
-        every_s: float = 0.0,
-    ) -> Iterator[tuple[Answer, TurnMeter]]:
-        """Answer a prompt, yielding the first round, the last, and between them a round at most every `every_s`.
-
-        Each update costs the page a re-render that shares the CPU with decoding, so the UI asks for a few per
-        second rather than one per round. Closing the iterator stops the engine at its next update.
-        """
-        answer, detokenizer = Answer(), TokenText(self.engine.tokenizer)
-        turn = TurnMeter(params.method)
+    def stream(self, prompt_ids: list[int], params: DecodeParams, every_s: float = 0.0) -> Iterator[tuple[Answer, TurnMeter]]:
+        """Answer a prompt, yielding the first round, the last, and between them the latest state at most every
+        `every_s`. Decoding runs ahead on the engine thread meanwhile. Closing the iterator stops the engine after
+        the round in progress."""
+        answer, detokenizer, turn = Answer(), TokenText(self.engine.tokenizer), TurnMeter(params.method)
         self._count(active=1)
-        shown_at = None
         try:
             steps = self.engine.generate(prompt_ids, params)
-            with self._turn, closing(steps):
-                for i, step in enumerate(self.engine_thread.iterate(steps)):
-                    answer.add(step.tokens, step.drafted, detokenizer)
-                    turn.add(step, prefill=i == 0)
-                    self._count(rounds=1)
-                    if step.finish_reason:
-                        answer.finish(detokenizer)
-                    now = time.perf_counter()
-                    if shown_at is None or step.finish_reason or now - shown_at >= every_s:
-                        shown_at = now
-                        yield answer, turn
+            with self._turn:
+                decoding = self.engine_thread.decode(steps, on_step=lambda: self._count(rounds=1))
+                try:
+                    shown_at, done = None, False
+                    while not done:
+                        arrived, done = decoding.take(not_before=shown_at + every_s if shown_at else 0.0)
+                        if arrived:  # the last step may have been taken before decoding was seen to end
+                            self._add(arrived, answer, detokenizer, turn)
+                            shown_at = time.perf_counter()
+                            yield answer, turn
+                finally:
+                    decoding.cancel()
         finally:
             self._count(active=-1)
-            if params.method == "vanilla" and turn.tokens >= MIN_BASELINE_TOKENS:
-                self.baseline.add(turn.tokens, turn.seconds, baseline_source)
+            if turn.rounds:
+                log.info(turn_log_line(turn))
+
+    @staticmethod
+    def _add(steps: list[Step], answer: Answer, detokenizer: TokenText, turn: TurnMeter) -> None:
+        for step in steps:
+            answer.add(step.tokens, step.drafted, detokenizer)
+            turn.add(step)
+            if step.finish_reason:
+                answer.finish(detokenizer)

@@ -1,47 +1,37 @@
-"""The live speedup meter: tokens/s, mean accepted length τ and the speedup over plain decoding, measured.
+"""The live speedup meter: tokens/s, mean accepted length τ and the speedup over plain decoding, all measured in
+the answer it describes.
 
-Speeds count decoding rounds only: the prefill (prompt processing, which yields the first token) costs the same
-with or without EAGLE and would blur the comparison on short answers. The plain decoding baseline is the same
-model on the same machine, measured at start-up and refreshed by every plain-decoding turn.
+The baseline is not a figure from another time: an EAGLE answer times a plain decoding step now and then (every
+PLAIN_EVERY-th round, DecodeParams.plain_every), under whatever else the machine is doing at that moment, and the
+speedup divides the EAGLE rounds' speed by those steps' speed. A plain-decoding answer is its own baseline: 1.00×.
+Speeds count decoding rounds only: the prefill (prompt processing) costs the same with or without EAGLE.
 """
 from __future__ import annotations
 
-import threading
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine import Step
 
+PLAIN_EVERY = 8  # a timed plain step every 8th round: ~2 % of an EAGLE answer's speed, a sample every ~15 tokens
 CHART_ROUNDS = 48  # rounds shown in the acceptance chart
 METHOD_NAMES = {"eagle": "EAGLE", "vanilla": "Plain decoding"}
 FINISH_NAMES = {"eos": "finished", "length": "token limit reached", "context": "context full"}
 
 
-class Baseline:
-    """Plain decoding speed pooled over the latest measurements (tokens and seconds summed, not rates averaged)."""
+@dataclass
+class Rate:
+    """Tokens and the seconds they took, summed (not rates averaged)."""
 
-    def __init__(self, window: int = 8):
-        self._runs: deque[tuple[int, float]] = deque(maxlen=window)
-        self._lock = threading.Lock()
-        self.source = "not measured yet"
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
 
-    def add(self, tokens: int, seconds: float, source: str) -> None:
-        if tokens < 1 or seconds <= 0:
-            return
-        with self._lock:
-            self._runs.append((tokens, seconds))
-            self.source = source
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens, self.seconds, self.steps = self.tokens + tokens, self.seconds + seconds, self.steps + 1
 
     @property
-    def tokens(self) -> int:
-        with self._lock:
-            return sum(tokens for tokens, _ in self._runs)
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        with self._lock:
-            seconds = sum(s for _, s in self._runs)
-            return sum(t for t, _ in self._runs) / seconds if seconds else None
+    def per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
 
 
 @dataclass
@@ -50,34 +40,60 @@ class TurnMeter:
 
     method: str
     prefill_s: float = 0.0
-    rounds: int = 0  # decoding rounds after the prefill, one base-model forward each
-    tokens: int = 0  # tokens those rounds committed
-    seconds: float = 0.0
+    decoding: Rate = field(default_factory=Rate)  # every round after the prefill: what the user gets
+    speculative: Rate = field(default_factory=Rate)  # rounds that verified a drafted tree
+    plain: Rate = field(default_factory=Rate)  # plain steps, timed as plain decoding (their drafter upkeep left out)
     per_round: list[int] = field(default_factory=list)  # tokens committed by each round (accepted drafts + 1)
     finish_reason: str | None = None
 
-    def add(self, step: Step, prefill: bool) -> None:
+    def add(self, step: Step) -> None:
         self.finish_reason = step.finish_reason
-        if prefill:
+        if step.kind == "prefill":
             self.prefill_s = step.wall_s
             return
-        self.rounds += 1
-        self.tokens += len(step.tokens)
-        self.seconds += step.wall_s
+        self.decoding.add(len(step.tokens), step.wall_s)
+        if step.kind == "plain":
+            self.plain.add(len(step.tokens), step.wall_s - step.draft_s)
+        else:
+            self.speculative.add(len(step.tokens), step.wall_s)
         self.per_round.append(len(step.tokens))
 
     @property
+    def rounds(self) -> int:
+        return self.decoding.steps
+
+    @property
+    def tokens(self) -> int:
+        return self.decoding.tokens
+
+    @property
     def tokens_per_s(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds > 0 else None
+        return self.decoding.per_s
 
     @property
     def tau(self) -> float | None:
-        """Mean tokens per base-model forward: accepted drafts plus the token the base model adds itself."""
-        return self.tokens / self.rounds if self.rounds else None
+        """Mean tokens per drafting round: accepted drafts plus the token the base model adds itself (plain
+        decoding: 1)."""
+        rounds = self.speculative if self.speculative.steps else self.decoding
+        return rounds.tokens / rounds.steps if rounds.steps else None
 
-    def speedup(self, baseline: Baseline) -> float | None:
-        mine, plain = self.tokens_per_s, baseline.tokens_per_s
-        return mine / plain if mine and plain else None
+    @property
+    def speedup(self) -> float | None:
+        """EAGLE rounds' tokens/s over plain steps' tokens/s, both timed in this answer; 1 for plain decoding."""
+        if self.method == "vanilla":
+            return 1.0 if self.rounds else None
+        fast, plain = self.speculative.per_s, self.plain.per_s
+        return fast / plain if fast and plain else None
+
+    def basis(self) -> str:
+        """What the × compares, in words."""
+        if self.method == "vanilla":
+            return "Plain decoding is the baseline itself: 1.00×."
+        if not self.plain.steps:
+            return "× appears once a plain decoding step has been timed in this answer."
+        return (f"× = EAGLE rounds ({_figure(self.speculative.per_s, 1)} tokens/s) ÷ plain decoding "
+                f"({_figure(self.plain.per_s, 1)} tokens/s), both timed in this answer: {self.plain.steps} plain "
+                f"step{'s' if self.plain.steps > 1 else ''}, one every {PLAIN_EVERY} rounds.")
 
 
 def _figure(value: float | None, digits: int) -> str:
@@ -106,20 +122,13 @@ def _progress(turn: TurnMeter, running: bool) -> str:
     return FINISH_NAMES.get(turn.finish_reason or "", "stopped")
 
 
-def meter_html(turn: TurnMeter | None, baseline: Baseline, running: bool = False) -> str:
+def meter_html(turn: TurnMeter | None, running: bool = False) -> str:
     """The meter panel. Figures also sit in data- attributes so that tests and scripts can read them."""
-    plain = baseline.tokens_per_s
-    note = (
-        f"Plain decoding of this model on this machine: {_figure(plain, 1)} tokens/s "
-        f"({baseline.source}, {baseline.tokens} tokens)."
-        if plain
-        else "Plain decoding speed not measured yet."
-    )
     if turn is None:
         stats = {"tokens/s": "–", "τ": "–", "speedup": "–", "rounds": "0"}
-        attributes = 'data-rounds="0"'
+        attributes, note = 'data-rounds="0"', "Ask something: the figures are measured as the answer is written."
     else:
-        speedup = turn.speedup(baseline)
+        speedup = turn.speedup
         stats = {
             "tokens/s": _figure(turn.tokens_per_s, 1),
             "τ": _figure(turn.tau, 2),
@@ -129,8 +138,10 @@ def meter_html(turn: TurnMeter | None, baseline: Baseline, running: bool = False
         attributes = (
             f'data-method="{turn.method}" data-rounds="{turn.rounds}" data-tokens="{turn.tokens}" '
             f'data-tps="{turn.tokens_per_s or 0:.3f}" data-tau="{turn.tau or 0:.3f}" data-speedup="{speedup or 0:.3f}" '
+            f'data-plain-tps="{turn.plain.per_s or 0:.3f}" data-plain-steps="{turn.plain.steps}" '
             f'data-finish="{turn.finish_reason or ""}"'
         )
+        note = turn.basis()
     cells = "".join(
         f'<div class="meter-stat" data-stat="{name}"><span class="meter-value">{value}</span>'
         f'<span class="meter-label">{name}</span></div>'
@@ -144,6 +155,14 @@ def meter_html(turn: TurnMeter | None, baseline: Baseline, running: bool = False
         f'<div class="meter-stats">{cells}</div>{chart}'
         f'<div class="meter-note">{note}</div></div>'
     )
+
+
+def turn_log_line(turn: TurnMeter) -> str:
+    """One line per answer for the server log: what an operator needs to see the engine's state."""
+    speedup = "–" if turn.speedup is None else f"{turn.speedup:.2f}x"
+    return (f"turn: {turn.method}, {turn.tokens} tokens in {turn.rounds} rounds, {_figure(turn.tokens_per_s, 1)} tok/s, "
+            f"tau {_figure(turn.tau, 2)}, plain {_figure(turn.plain.per_s, 1)} tok/s over {turn.plain.steps} steps, "
+            f"shown {speedup}, prefill {turn.prefill_s * 1000:.0f} ms, {turn.finish_reason or 'stopped'}")
 
 
 def status_html(rounds: int, active: int) -> str:

@@ -13,7 +13,7 @@ from engine import DecodeParams, DynamicTree
 
 from .chat import ChatService
 from .conversation import Conversation, Turn, note_turn, user_turn
-from .meter import METHOD_NAMES, TurnMeter, meter_html, status_html
+from .meter import METHOD_NAMES, PLAIN_EVERY, TurnMeter, meter_html, status_html
 from .render import render_answer, render_markdown
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,12 @@ class Handlers:
         self.max_new_tokens = max_new_tokens
 
     def params(self, **options) -> DecodeParams:
-        """The settings controls' values as DecodeParams, the answer length capped at the app's --max-new-tokens."""
+        """The settings controls' values as DecodeParams, the answer length capped at the app's --max-new-tokens;
+        EAGLE answers time a plain step every PLAIN_EVERY rounds for the meter (app/meter.py)."""
         typed = {name: INTEGER_OPTIONS.get(name, float)(value) if name != "method" else value
                  for name, value in options.items()}
         typed["max_new_tokens"] = max(1, min(typed.get("max_new_tokens", self.max_new_tokens), self.max_new_tokens))
-        return DecodeParams().with_options(**typed)
+        return DecodeParams(plain_every=PLAIN_EVERY).with_options(**typed)
 
     # Chat tab -----------------------------------------------------------------------------------------------
     def add_message(self, text: str, conversation: Conversation):
@@ -92,7 +93,7 @@ class Handlers:
                 running = reply.meter.finish_reason is None
                 if not running:
                     reply.note = self._note(reply.meter, dropped)
-                yield conversation, conversation.shown(), meter_html(reply.meter, self.service.baseline, running)
+                yield conversation, conversation.shown(), meter_html(reply.meter, running)
         except Exception as err:  # a traceback must never reach the page
             if reply.text:
                 conversation.turns.append(note_turn(_problem(err)))
@@ -100,7 +101,7 @@ class Handlers:
                 if reply in conversation.turns:
                     conversation.turns.remove(reply)
                 conversation.reject_last(_problem(err))
-            yield conversation, conversation.shown(), meter_html(reply.meter, self.service.baseline)
+            yield conversation, conversation.shown(), meter_html(reply.meter)
         finally:
             conversation.busy = False
 
@@ -121,7 +122,7 @@ class Handlers:
             return conversation, conversation.shown(), gr.skip()
         if reply.meter.finish_reason is None and not reply.note:
             reply.note = f"Stopped after {len(reply.answer.ids)} tokens."
-        return conversation, conversation.shown(), meter_html(reply.meter, self.service.baseline)
+        return conversation, conversation.shown(), meter_html(reply.meter)
 
     def regenerate(self, conversation: Conversation):
         if conversation.busy:
@@ -131,7 +132,7 @@ class Handlers:
         return conversation, conversation.shown()
 
     def clear(self):
-        return Conversation(), [], meter_html(None, self.service.baseline)
+        return Conversation(), [], meter_html(None)
 
     def rerender(self, conversation: Conversation, provenance: bool):
         conversation.rerender(provenance)
@@ -152,7 +153,6 @@ class Handlers:
         if "eagle" not in self.service.methods:
             yield "", "", _verdict(NO_HEAD), gr.skip()
             return
-        baseline = self.service.baseline
         try:
             greedy = self.params(**{**options, "temperature": 0.0, "top_p": 1.0})
             ids, _ = self.service.fit([{"role": "user", "content": text}], greedy.max_new_tokens)
@@ -161,12 +161,12 @@ class Handlers:
                 for answer, turn in self.service.stream(ids, params, every_s=UPDATE_EVERY_S):
                     panes[method], finished[method] = render_answer(answer, provenance), (answer, turn)
                     progress = _verdict(f"{METHOD_NAMES[method]} is answering…")
-                    yield panes["vanilla"], panes["eagle"], progress, meter_html(turn, baseline, running=True)
+                    yield panes["vanilla"], panes["eagle"], progress, meter_html(turn, running=True)
         except Exception as err:  # a traceback must never reach the page
             yield panes["vanilla"], panes["eagle"], _verdict(_problem(err)), gr.skip()
             return
         verdict = _compare_verdict(finished["vanilla"], finished["eagle"])
-        yield panes["vanilla"], panes["eagle"], verdict, meter_html(finished["eagle"][1], baseline)
+        yield panes["vanilla"], panes["eagle"], verdict, meter_html(finished["eagle"][1])
 
 
 def _verdict(text: str, state: str = "") -> str:
@@ -265,7 +265,7 @@ def _compare_tab() -> CompareTab:
 
 def _side_panel(handlers: Handlers) -> SidePanel:
     methods, tree = handlers.service.methods, DynamicTree()
-    meter = gr.HTML(meter_html(None, handlers.service.baseline), elem_id="meter")
+    meter = gr.HTML(meter_html(None), elem_id="meter")
     status = gr.HTML(handlers.status, elem_id="engine-status")  # a callable value is read on every page load
     with gr.Accordion("Settings", open=True):
         controls = {

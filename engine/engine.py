@@ -18,6 +18,7 @@ from .models import DEFAULT_BASE, DEFAULT_DEVICE, load_base, resolve_dtype
 from .packed import bf16_native, pack_linears, packable_dtypes
 from .params import DecodeParams
 from .target import Target
+from .threads import ThreadGovernor
 
 _ROLES = ("system", "user", "assistant")
 log = logging.getLogger(__name__)
@@ -33,10 +34,13 @@ class Engine:
         head: DraftHead | None = None,
         *,
         pack: bool = False,
+        follow_load: bool = True,
     ):
         """pack: replace the CPU linear layers of model and head by oneDNN-packed ones (engine.packed) and, for a
         model wholly on the CPU, its attention by engine.attention's: every row of a forward then comes out the same
-        bits whatever the batch, so verification agrees exactly with one-token decoding. Changes the model in place."""
+        bits whatever the batch, so verification agrees exactly with one-token decoding. Changes the model in place.
+        follow_load: for a model on the CPU, give up threads to other busy processes between steps
+        (engine.threads); the output does not depend on the thread count."""
         self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
         self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
         self.wide_attention = pack and use_wide_attention(model)
@@ -47,6 +51,8 @@ class Engine:
         text_config = model.config.get_text_config()
         self.target = Target(model, head.feature_layers(text_config.num_hidden_layers) if head else None)
         self._lock = threading.Lock()
+        on_cpu = model.get_output_embeddings().weight.device.type == "cpu"
+        self.threads = ThreadGovernor() if follow_load and on_cpu else None
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -66,13 +72,14 @@ class Engine:
         attn: str = "sdpa",
         max_memory: str | None = None,
         pack: bool = True,
+        follow_load: bool = True,
     ) -> "Engine":
         """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise.
 
         dtype "auto" is bfloat16 where the engine is exact and faster in it (see _auto_dtype), float32 elsewhere;
         quantization, attn and max_memory (a per-GPU cap for device="auto") are explained in engine.models;
         pack packs the linear layers that run on the CPU for oneDNN (engine.packed) and gives a model wholly on the
-        CPU engine.attention's attention (whatever attn says), changing the model in place.
+        CPU engine.attention's attention (whatever attn says), changing the model in place. follow_load: see __init__.
         head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16; the
         head's precision never changes the output (verification decides), only how fast and how well it drafts.
         """
@@ -87,13 +94,13 @@ class Engine:
             base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
         )
         draft = _load_head(head, model, head_dtype, pack) if head else None
-        return cls(model, tokenizer, draft, pack=pack)
+        return cls(model, tokenizer, draft, pack=pack, follow_load=follow_load)
 
     def with_head(self, head: str | Path, head_dtype: str | None = None) -> "Engine":
         """Another engine on this one's base model (shared, not copied) that drafts with another head: for comparing
         heads side by side. The two share one lock, as they share the model: one generation at a time."""
         other = Engine(self.model, self.tokenizer, _load_head(head, self.model, head_dtype, self.pack), pack=self.pack)
-        other._lock = self._lock
+        other._lock, other.threads = self._lock, self.threads
         return other
 
     @property
@@ -130,7 +137,12 @@ class Engine:
     def _locked(self, prompt_ids: list[int], params: DecodeParams) -> Iterator[Step]:
         with self._lock:
             drafter = Drafter(self.head) if params.method == "eagle" else None
-            yield from decode(self.target, drafter, prompt_ids, params, self.stop_ids)
+            if self.threads is not None:
+                self.threads.start()
+            for step in decode(self.target, drafter, prompt_ids, params, self.stop_ids):
+                yield step
+                if self.threads is not None:
+                    self.threads.update()
 
     def chat(self, messages: list[dict], params: DecodeParams | None = None, **options) -> Iterator[Step]:
         return self.generate(self.encode_chat(messages), params, **options)

@@ -7,6 +7,7 @@ base cache and feeds its features to the drafter, so the next round starts from 
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -37,6 +38,7 @@ class Step:
     wall_s: float = 0.0
     tree_size: int = 0  # drafted nodes the base model verified this round (0 for prefill and plain steps)
     finish_reason: str | None = None  # "eos", "length", "context" on the last step
+    kind: str = "speculative"  # "prefill", "speculative" (a drafted tree verified) or "plain" (one token)
 
     @property
     def accepted(self) -> int:
@@ -100,15 +102,21 @@ def prefill(
     if drafter is not None:
         drafter.reset()
         drafter.commit(features, torch.cat([prompt[1:], torch.tensor([seq.root])]))
-    return Step([seq.root], [False], verify_s=verified - start, draft_s=time.perf_counter() - verified)
+    return Step([seq.root], [False], verify_s=verified - start, draft_s=time.perf_counter() - verified, kind="prefill")
 
 
-def plain_step(target: Target, seq: Sequence, sampling: Sampling, generator: torch.Generator | None) -> Step:
-    """One base forward for one token: plain decoding."""
+def plain_step(
+    target: Target, seq: Sequence, sampling: Sampling, generator: torch.Generator | None,
+    drafter: Drafter | None = None,
+) -> Step:
+    """One base forward for one token: plain decoding. A drafter that will draft again is fed the new slot."""
     start = time.perf_counter()
-    hidden, _ = target.forward(torch.tensor([seq.root]), seq.cache)
+    hidden, features = target.forward(torch.tensor([seq.root]), seq.cache)
     seq.root = sampling.pick(target.logits(hidden[-1]), generator)
-    return Step([seq.root], [False], verify_s=time.perf_counter() - start)
+    verified = time.perf_counter()
+    if drafter is not None:
+        drafter.commit(features, torch.tensor([seq.root]))
+    return Step([seq.root], [False], verify_s=verified - start, draft_s=time.perf_counter() - verified, kind="plain")
 
 
 def verify(target: Target, tree: DraftTree, seq: Sequence) -> Verification:
@@ -180,7 +188,7 @@ def decode(
     seq = Sequence(len(prompt_ids), target.new_cache())
     start = time.perf_counter()
     step = prefill(target, drafter, prompt_ids, seq, sampling, generator)
-    while True:
+    for index in itertools.count():
         step = finish(step, seq, params, stops, target.max_context)
         step.wall_s = time.perf_counter() - start
         yield step
@@ -188,7 +196,8 @@ def decode(
             return
         start = time.perf_counter()
         # Near the context limit a tree no longer fits: finish with plain steps (the cache only grows from here).
-        if drafter is not None and seq.cached + params.tree.max_levels + 1 <= target.max_context:
+        drafting = drafter is not None and seq.cached + params.tree.max_levels + 1 <= target.max_context
+        if drafting and not params.plain_round(index):
             step = speculative_round(target, drafter, seq, params.tree, sampling, generator)
         else:
-            step = plain_step(target, seq, sampling, generator)
+            step = plain_step(target, seq, sampling, generator, drafter if drafting else None)

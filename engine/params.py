@@ -21,12 +21,23 @@ class DecodeParams:
     sampling: Sampling = field(default_factory=Sampling)
     tree: TreeSpec = field(default_factory=DynamicTree)
     seed: int | None = None
+    # Every n-th round of a speculative method is a plain step instead (0: never), timed like plain decoding under
+    # the turn's own conditions: the app's speedup meter divides by it. The output does not change (a plain step
+    # commits what the round would have: the base model's own token).
+    plain_every: int = 0
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.plain_every < 0:
+            raise ValueError(f"plain_every must be >= 0 (0 = never), got {self.plain_every}")
+
+    def plain_round(self, index: int) -> bool:
+        """Whether decoding round `index` (0 = the first after the prefill) is a timed plain step: rounds 1, n + 1,
+        2n + 1, ..., so that a meter has a first sample early in the answer."""
+        return self.plain_every > 0 and index % self.plain_every == 1 % self.plain_every
 
     def with_options(self, **options) -> DecodeParams:
         """A copy with flat options changed, the shape command-line flags, UI controls and API fields arrive in:

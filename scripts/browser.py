@@ -21,7 +21,7 @@ CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
     "--disable-sync", "--no-first-run",
 ]
-STARTUP_S = 300  # model load and the start-up calibration, on a busy 2-core machine
+STARTUP_S = 300  # model load, on a busy 2-core machine
 
 
 def free_port() -> int:

@@ -70,6 +70,25 @@ def test_answer_streams_with_drafted_tokens_and_the_meter_shows_speed(page):
     assert "<span" not in last_answer_text(page)  # markup is rendered, not shown as text
 
 
+def test_the_meter_compares_against_plain_decoding_timed_in_the_same_answer(page):
+    """The same prompt, plain decoding then EAGLE, a fresh chat each: the EAGLE turn's × agrees with the ratio
+    of the two turns' speeds (within 25 %), and the plain turn shows 1.00×."""
+    set_number(page, "max-new-tokens", 96)
+    figures = {}
+    for label, method in (("Plain decoding", "plain"), ("EAGLE", "eagle")):
+        page.click("#clear")
+        page.wait_for_function("() => document.querySelectorAll('#chat div.eagle-msg').length === 0", timeout=30_000)
+        choose_method(page, label)
+        wait_for_answer(page, send(page, "Explain how a bicycle works, step by step."), timeout_s=300)
+        figures[method] = {key: float(meter(page)[key]) for key in ("tps", "speedup", "plainTps")}
+        if method == "plain":
+            assert "1.00×" in page.locator("#meter").inner_text()
+    print(f"meter: plain {figures['plain']}, eagle {figures['eagle']}")
+    assert figures["plain"]["speedup"] == 1.0 and figures["eagle"]["plainTps"] > 0
+    ratio = figures["eagle"]["tps"] / figures["plain"]["tps"]
+    assert abs(figures["eagle"]["speedup"] / ratio - 1) <= 0.25, (figures, ratio)
+
+
 def test_stop_ends_decoding_on_the_server(page):
     choose_method(page, "Plain decoding")  # one token per round: a long, steady answer
     send(page, "Write a long story about a dragon who learns to cook.")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import SHAPES, random_head, tiny_engine, tokens_of
+from engine import DecodeParams
 from engine.draft.checkpoint import save_head
 
 NEW_TOKENS = 80
@@ -84,3 +85,22 @@ def test_an_engine_with_another_head_shares_the_model_and_takes_turns(prompt, tm
     assert head_start + tokens_of(first) == vanilla
     waiting.join(timeout=60)
     assert result["tokens"] == vanilla
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("plain_every", [1, 3])
+def test_timed_plain_rounds_keep_the_output_and_the_drafter_in_step(kind, plain_every, prompt):
+    """The meter's in-turn plain steps (every n-th round) commit the base model's own token; the drafter is fed
+    their slot, so the speculative rounds after them still draft (and accept) from the right state."""
+    engine = tiny_engine("llama-h64-l8-gqa", kind)
+    vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=NEW_TOKENS))
+    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=NEW_TOKENS, plain_every=plain_every))
+    assert tokens_of(steps) == vanilla
+    kinds = [s.kind for s in steps]
+    assert kinds[0] == "prefill"
+    expected = ["plain" if DecodeParams(plain_every=plain_every).plain_round(i) else "speculative"
+                for i in range(len(steps) - 1)]
+    assert kinds[1:] == expected
+    if plain_every > 1:
+        assert sum(s.accepted for s in steps) > 0
+    assert all(s.accepted == 0 and len(s.tokens) == 1 for s in steps if s.kind == "plain")

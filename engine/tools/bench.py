@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -149,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--verify-curve", default=None, metavar="SIZES",
         help="instead of the methods: time one verification forward of each comma-separated tree size (1 = a plain "
              "step) over a 300-token cache, and print the curve")
+    add("--fixed-threads", dest="follow_load", action="store_false",
+        help="keep torch's thread count fixed instead of giving threads up to busy processes (engine/threads.py)")
+    add("--busy", type=int, default=0, metavar="N",
+        help="run N competing busy processes (a `while True` loop each) during the timed generations, to measure "
+             "decoding on a loaded machine")
     add("--json", dest="json_out", default=None, help="write the full results here")
     add("--plot", default=None, help="write a bar chart (PNG) of tokens/s and tau here")
     return parser
@@ -169,7 +176,7 @@ def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
     loses eagle when there is no head and gains the compared heads' names."""
     head = None if args.head.lower() == "none" else args.head
     engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                         pack=args.pack)
+                         pack=args.pack, follow_load=args.follow_load)
     engines = {"vanilla": engine, "eagle": engine}
     for name, compare_head in setup.compare_heads.items():
         try:
@@ -231,7 +238,8 @@ def build_report(args: argparse.Namespace, setup: Setup, engine: Engine, prompts
         "date": datetime.now().astimezone().isoformat(sep=" ", timespec="minutes"), "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": torch.get_num_threads(), "packed": args.pack,
         "max_new_tokens": params.max_new_tokens, "temperature": params.sampling.temperature, "seed": params.seed,
-        "tree": {"kind": type(params.tree).__name__, **asdict(params.tree)},
+        "tree": {"kind": type(params.tree).__name__, **asdict(params.tree)}, "busy_processes": args.busy,
+        "follow_load": args.follow_load,
     }
     questions = [
         {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(prompt),
@@ -267,7 +275,9 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = first_turn_prompts(engine, setup.questions)
     except (ValueError, OSError) as err:
         parser.error(str(err))
-    runs = run_all(engines, hf_model_for(args, engine, setup.methods), setup, prompts)
+    hf_model = hf_model_for(args, engine, setup.methods)
+    with busy_processes(args.busy):
+        runs = run_all(engines, hf_model, setup, prompts)
     report = build_report(args, setup, engine, prompts, runs)
     print_report(report)
     if args.json_out:
@@ -277,6 +287,18 @@ def main(argv: list[str] | None = None) -> dict:
         plot(report["summary"], args.plot, f"{report['config']['base']} · {head} · {report['config']['dtype']} · "
                                            f"{report['config']['date']}")
     return report
+
+
+@contextmanager
+def busy_processes(count: int):
+    """`count` processes that each keep a core busy (at the default nice level) while the block runs."""
+    processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
 
 
 def print_curve(engine: Engine, sizes: list[int]) -> dict:
