@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 import gradio as gr
+from markdown_it.common.utils import escapeHtml
 
 from engine import DecodeParams, DynamicTree
 
@@ -165,15 +166,28 @@ class Handlers:
         except Exception as err:  # a traceback must never reach the page
             yield panes["vanilla"], panes["eagle"], _verdict(_problem(err)), gr.skip()
             return
-        verdict = _compare_verdict(finished["vanilla"], finished["eagle"])
+        verdict = _compare_verdict(finished["vanilla"], finished["eagle"], self._where_they_part(ids, finished))
         yield panes["vanilla"], panes["eagle"], verdict, meter_html(finished["eagle"][1])
+
+    def _where_they_part(self, prompt_ids: list[int], finished: dict) -> str:
+        """For outputs that differ: the base model's two likeliest tokens where they part, and how close they are."""
+        a, b = finished["vanilla"][0].ids, finished["eagle"][0].ids
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is None:
+            return ""
+        logits = self.service.engine_thread.call(self.service.engine.next_token_logits, prompt_ids + a[:first])
+        (top, second), (i, j) = logits.topk(2)
+        names = [self.service.engine.tokenizer.decode([int(t)]) for t in (i, j)]
+        return (f" There the base model's two likeliest tokens were {names[0]!r} ({top:.4f}) and {names[1]!r} "
+                f"({second:.4f}), {top - second:.2g} apart: {self.service.engine.exactness}.")
 
 
 def _verdict(text: str, state: str = "") -> str:
     return f'<div class="verdict" data-verdict="{state}">{render_markdown(text, "verdict-text")}</div>'
 
 
-def _compare_verdict(plain, eagle) -> str:
+def _compare_verdict(plain, eagle, near_tie: str = "") -> str:
+    """The side-by-side verdict; near_tie explains a difference (see Handlers._where_they_part)."""
     (plain_answer, plain_turn), (eagle_answer, eagle_turn) = plain, eagle
     a, b = plain_answer.ids, eagle_answer.ids
     if a == b:
@@ -181,7 +195,7 @@ def _compare_verdict(plain, eagle) -> str:
         state = "identical"
     else:
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        head = f"❌ The outputs differ from token {first} on ({len(a)} vs {len(b)} tokens)."
+        head = f"❌ The outputs differ from token {first} on ({len(a)} vs {len(b)} tokens).{near_tie}"
         state = "different"
     speeds = ""
     if plain_turn.tokens_per_s and eagle_turn.tokens_per_s:
@@ -322,8 +336,8 @@ def build_demo(service: ChatService, max_new_tokens: int = DecodeParams.max_new_
         conversation = gr.State(Conversation())
         gr.HTML(
             f'<div class="app-header"><h1>{title}</h1><p>Lossless speculative decoding: a small EAGLE head drafts '
-            "tokens, the base model checks them all in one pass, and the text is exactly what the base model alone "
-            "would write.</p></div>"
+            "tokens and the base model checks them all in one pass, so the text is what the base model alone would "
+            f'write. Here that is {escapeHtml(service.engine.exactness)}.</p></div>'
         )
         with gr.Row():
             with gr.Column(scale=3):

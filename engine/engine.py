@@ -14,7 +14,7 @@ from .draft.checkpoint import DEFAULT_HEAD, load_head
 from .draft.drafter import Drafter
 from .draft.head import DraftHead
 from .generate import Step, check_prompt, decode
-from .models import DEFAULT_BASE, DEFAULT_DEVICE, load_base, resolve_dtype
+from .models import DEFAULT_BASE, DEFAULT_DEVICE, auto_dtype, load_base, resolve_dtype
 from .packed import bf16_native, pack_linears, packable_dtypes
 from .params import DecodeParams
 from .target import Target
@@ -44,7 +44,9 @@ class Engine:
         self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
         self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
         self.wide_attention = pack and use_wide_attention(model)
-        if self.wide_attention and model.dtype not in packable_dtypes():
+        # Every row of a forward comes out the same bits whatever the batch: greedy EAGLE is plain decoding exactly.
+        self.batch_invariant = self.wide_attention and model.dtype in packable_dtypes()
+        if self.wide_attention and not self.batch_invariant:
             log.warning("%s linear layers cannot be packed on this CPU, so a tree forward may round differently "
                         "from one-token decoding and greedy EAGLE may differ from plain decoding: use float32",
                         str(model.dtype).removeprefix("torch."))
@@ -89,7 +91,7 @@ class Engine:
             raise ValueError("flash_attention_2 cannot apply the tree mask that EAGLE verification needs: "
                              "use attn='sdpa' with a draft head (flash_attention_2 serves plain decoding only)")
         if dtype == "auto":
-            dtype = _auto_dtype(device, quantization, pack)
+            dtype = auto_dtype(device, quantization, pack)
         model, tokenizer = load_base(
             base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
         )
@@ -106,6 +108,22 @@ class Engine:
     @property
     def max_context(self) -> int:
         return self.target.max_context
+
+    @property
+    def exactness(self) -> str:
+        """What lossless means where this engine runs, in words for users."""
+        if self.batch_invariant:
+            return ("bit-exact: on this CPU a tree forward gives every token the same bits as one-token decoding, so "
+                    "greedy EAGLE output is plain decoding's, token for token")
+        return ("lossless in distribution: here a tree forward and a one-token step run different kernels, so greedy "
+                "output equals plain decoding's except where two tokens tie to within floating-point rounding")
+
+    @torch.inference_mode()
+    def next_token_logits(self, ids: list[int]) -> torch.Tensor:
+        """The base model's logits [V] for the token after `ids`, from one plain forward (to explain a near-tie)."""
+        with self._lock:
+            hidden, _ = self.target.forward(torch.tensor(ids), self.target.new_cache())
+            return self.target.logits(hidden[-1])
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation in the model's chat template, ready for the assistant's reply."""
@@ -151,14 +169,6 @@ class Engine:
         """Text in, text out: the assistant's whole reply."""
         ids = [tok for step in self.chat(messages, params, **options) for tok in step.tokens]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _auto_dtype(device: str, quantization: str, pack: bool) -> str:
-    """bfloat16 for a packed model on a CPU that multiplies bf16 natively: it reads half the bytes of float32, and
-    packed layers with engine.attention keep every row batch-invariant, so verification is exact in it. float32
-    elsewhere: GPU kernels and quantized layers round a tree forward differently from one-token decoding."""
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    return "bfloat16" if pack and on_cpu and quantization == "none" and bf16_native() else "float32"
 
 
 def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None, pack: bool) -> DraftHead:

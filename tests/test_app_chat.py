@@ -6,9 +6,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 from app.chat import ChatService
 from app.conversation import Conversation
+from app.meter import TurnMeter
 from app.ui import EMPTY_HINT, Handlers
 from conftest import random_head, tiny_base, tokens_of
 from engine import ContextTooLong, DecodeParams, Engine
@@ -220,6 +222,23 @@ def test_side_by_side_reports_identical_greedy_outputs(handlers):
     plain, eagle, verdict, _ = updates[-1]
     assert 'data-verdict="identical"' in verdict and "Identical" in verdict
     assert re.sub(r'<span class="\w+"', "", plain) == re.sub(r'<span class="\w+"', "", eagle)
+
+
+def test_side_by_side_explains_where_outputs_part(handlers, engine):
+    """A difference is reported with the base model's two likeliest tokens at the first differing position."""
+    from app.render import Answer
+    from app.ui import _compare_verdict
+
+    prompt = engine.encode_chat([{"role": "user", "content": "Compare me"}])
+    a, b = [5, 6, 7, 8], [5, 6, 9]
+    finished = {"vanilla": (Answer(ids=a), TurnMeter("vanilla")), "eagle": (Answer(ids=b), TurnMeter("eagle"))}
+    explained = handlers._where_they_part(prompt, finished)
+    logits = engine.model(torch.tensor([prompt + a[:2]])).logits[0, -1]
+    top, second = (engine.tokenizer.decode([int(t)]) for t in logits.topk(2).indices)
+    assert repr(top) in explained and repr(second) in explained and engine.exactness in explained
+    verdict = _compare_verdict(finished["vanilla"], finished["eagle"], explained)
+    assert 'data-verdict="different"' in verdict and "differ from token 2 on (4 vs 3 tokens)" in verdict
+    assert handlers._where_they_part(prompt, {**finished, "eagle": finished["vanilla"]}) == ""
 
 
 def test_two_sessions_at_once_each_get_their_own_answer(handlers, engine):
