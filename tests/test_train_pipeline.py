@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine import Engine
 from engine.draft.checkpoint import load_head
 from engine.models import load_tokenizer
-from engine.train.data import DataError, build_data, read_conversations, read_shards
+from engine.train.data import (Conversation, DataError, build_data, encode_prompt, read_conversations, read_shards,
+                               select_prompts)
 from engine.train.fit import FitConfig
 from engine.train.pipeline import fit_head
 from engine.train.vocab import choose_vocab, coverage, token_counts
@@ -105,6 +106,24 @@ def test_duplicate_prompts_are_dropped(tmp_path, tokenizer, tiny_chat_model):
     (tmp_path / "dup.json").write_text(json.dumps([{"id": str(i), "conversations": turns} for i in range(3)]))
     build_data(tiny_chat_model, tokenizer, tmp_path / "data", tmp_path / "dup.json", max_new_tokens=4)
     assert len(read_shards(tmp_path / "data")) == 1
+
+
+def test_all_turns_adds_later_user_turns_after_the_first_ones(tokenizer):
+    def turn(role, text):
+        return {"role": role, "content": text}
+
+    long = [turn("user", "What is a prime?"), turn("assistant", "A number with two divisors."),
+            turn("user", "Is 9 one?"), turn("assistant", "No."), turn("user", "And 7?")]
+    conversations = [Conversation("a", long), Conversation("b", [turn("user", "Hello there"), turn("assistant", "Hi")])]
+    chosen = select_prompts(conversations, tokenizer, None, 512, turns="all")
+    ids = [c[0] for c in chosen]
+    assert sorted(ids[:2]) == ["a", "b"] and ids[2:] == ["a:2", "a:4"]
+    ident, messages, prompt_ids, reply = chosen[ids.index("a:2")]
+    assert messages == long[:3] and prompt_ids == encode_prompt(tokenizer, long[:3]) and reply == "No."
+    assert sorted(c[0] for c in select_prompts(conversations, tokenizer, None, 512)) == ["a", "b"]
+    assert [c[0] for c in select_prompts(conversations, tokenizer, 3, 512, turns="all")][2:] == ["a:2"]
+    with pytest.raises(ValueError, match="turns must be one of first, all"):
+        select_prompts(conversations, tokenizer, None, 512, turns="later")
 
 
 @pytest.mark.parametrize("content, line", [

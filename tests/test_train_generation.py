@@ -1,0 +1,88 @@
+"""Batched self-distillation (engine.train.generation): every reply of a batch is the engine's own plain greedy
+decoding of that prompt alone, token for token, on tiny random models and on the real embedded model."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import PACKED_DTYPES, SHAPES, IdsOnlyTokenizer, tiny_base, tokens_of
+from engine import Engine
+from engine.models import load_base
+from engine.train.data import encode_prompt, first_prompt, read_conversations, stop_ids
+from engine.train.generation import SlotCache, generate_replies, prepare_model
+
+STOPS = [5, 6]  # frequent in these random models' output: replies end at many lengths
+
+
+def plain_greedy(engine: Engine, prompt: list[int], max_new_tokens: int) -> list[int]:
+    return tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=max_new_tokens))
+
+
+def random_prompts(count: int, longest: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (count,), generator=generator).tolist()
+    return [torch.randint(0, 16, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_row_of_a_batch_equals_plain_greedy_decoding(shape, dtype):
+    engine_model, model = tiny_base(shape, dtype=dtype), tiny_base(shape, dtype=dtype)  # the same weights
+    engine_model.generation_config.eos_token_id = STOPS
+    engine = Engine(engine_model, IdsOnlyTokenizer(), pack=True)
+    prompts = random_prompts(13, 40)
+    expected = [plain_greedy(engine, p, 24) for p in prompts]
+    assert len({len(e) for e in expected}) > 3  # rows end at different steps, and their slots are refilled
+    prepare_model(model)
+    replies = dict(generate_replies(model, prompts, STOPS, 24, slots=4))
+    assert [replies[i] for i in range(len(prompts))] == expected
+
+
+def test_replies_come_as_rows_end_and_each_ends_at_its_first_stop():
+    model = tiny_base("llama-h64-l8-gqa")
+    prepare_model(model)
+    prompts = random_prompts(9, 30, seed=1)
+    order = [i for i, _ in generate_replies(model, prompts, STOPS, 16, slots=3)]
+    assert sorted(order) == list(range(9)) and order != sorted(order, key=lambda i: len(prompts[i]))
+    for reply in dict(generate_replies(model, prompts, STOPS, 16, slots=3)).values():
+        assert not set(STOPS) & set(reply[:-1]) and (reply[-1] in STOPS or len(reply) == 16)
+
+
+def test_the_cache_is_allocated_once_and_keeps_keys_in_float64_for_wide_attention():
+    model = tiny_base("qwen3-h64-l9")
+    prepare_model(model)
+    cache = SlotCache(model, slots=5, capacity=70)
+    assert len(cache.keys) == model.config.num_hidden_layers
+    assert cache.keys[0].shape == (5, 2, 70, 16) and cache.keys[0].dtype == torch.float64
+
+
+def test_sampled_replies_are_reproducible_from_the_seed():
+    model = tiny_base("llama-h48-l7-mqa")
+    prepare_model(model)
+    prompts = random_prompts(6, 20, seed=2)
+    draw = [dict(generate_replies(model, prompts, STOPS, 12, slots=4, temperature=0.8, seed=s)) for s in (5, 5, 6)]
+    assert draw[0] == draw[1] and draw[0] != draw[2]
+
+
+def test_bad_input_is_refused_with_the_reason():
+    model = tiny_base("llama-h64-l8-gqa")  # 256 positions
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        list(generate_replies(model, [[1, 2], []], STOPS, 4))
+    with pytest.raises(ValueError, match="exceeds the model's context of 256"):
+        list(generate_replies(model, [[1] * 250], STOPS, 8))
+    with pytest.raises(ValueError, match="at least 1"):
+        list(generate_replies(model, [[1]], STOPS, 0))
+
+
+def test_real_model_batch_equals_plain_greedy_on_sharegpt_prompts():
+    """The embedded SmolLM2 in float32 (the dtype generation uses on CPUs without native bf16)."""
+    engine = Engine(*load_base(None, dtype="float32"), pack=True)
+    model, tokenizer = load_base(None, dtype="float32")
+    prepare_model(model)
+    firsts = (encode_prompt(tokenizer, m) for m in map(first_prompt, read_conversations()) if m)
+    prompts = list(itertools.islice((p for p in firsts if len(p) <= 48), 5))
+    assert len({len(p) for p in prompts}) > 1
+    replies = dict(generate_replies(model, prompts, stop_ids(tokenizer, model), 16, slots=4))
+    assert [replies[i] for i in range(len(prompts))] == [plain_greedy(engine, p, 16) for p in prompts]
