@@ -1,0 +1,32 @@
+"""The drafter's catch-up: after every round (and every timed plain step) its cache holds exactly what committing
+the accepted text's true features from scratch builds. Feeding it the wrong tree nodes' features, or none, only
+makes drafts worse, which greedy equality cannot see; this can."""
+import pytest
+import torch
+
+from conftest import tiny_engine
+from engine.draft.drafter import Drafter
+from engine.generate import decode
+from engine.params import DecodeParams
+from engine.tree import DynamicTree, StaticTree
+
+
+@pytest.mark.parametrize("kind,tree,plain_every", [("eagle3", DynamicTree(total_tokens=16, depth=3, top_k=4), 0),
+                                                   ("eagle1", StaticTree(), 3)], ids=["eagle3-dynamic", "eagle1-static"])
+def test_after_each_round_the_drafter_holds_the_accepted_texts_features(kind, tree, plain_every, prompt):
+    engine = tiny_engine("llama-h64-l8-gqa", kind)
+    drafter = Drafter(engine.head)
+    text, accepted = list(prompt), 0
+    for step in decode(engine.target, drafter, prompt, DecodeParams(max_new_tokens=40, tree=tree, plain_every=plain_every)):
+        if step.finish_reason:  # the last step may be cut after the drafter caught up: nothing to compare
+            break
+        text += step.tokens
+        accepted += step.accepted
+        _, features = engine.target.forward(torch.tensor(text[:-1]), engine.target.new_cache())
+        fresh = Drafter(engine.head)
+        fresh.commit(features, torch.tensor(text[1:]))
+        assert drafter.length == fresh.length == len(text) - 1
+        for (keys, values), (fresh_keys, fresh_values) in zip(drafter.cache, fresh.cache, strict=True):
+            torch.testing.assert_close(keys, fresh_keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(values, fresh_values, rtol=1e-4, atol=1e-4)
+    assert accepted > 3, "too few drafts accepted for the catch-up to be tested"
