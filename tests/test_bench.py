@@ -5,6 +5,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import tokens_of
+from engine import DecodeParams, Engine
 from engine.tools.bench import METHODS, main
 from engine.tools.report import exactness_warnings, print_table, summarize
 from engine.tools.runs import Run
@@ -18,20 +20,46 @@ QUESTIONS = [
 MAX_NEW = 6
 
 
+def _bigram_base(config: LlamaConfig) -> LlamaForCausalLM:
+    """A base model whose layers add nothing (zero output projections): its next token depends on the last only."""
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def _bigram_drafter(config: LlamaConfig):
+    """An EAGLE-1 head whose output is the embedding of the token it reads. Through the base LM head that ranks
+    tokens as the bigram base does (its final norm only rescales that embedding), so its drafts are the base's
+    own greedy tokens: they are accepted, and tau is well above 1."""
+    head = new_head("eagle1", config)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, : config.hidden_size] = torch.eye(config.hidden_size)  # [embedding, feature] -> embedding
+        head.fc.bias.zero_()
+        for layer in head.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return head
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """A tiny base model folder (tokenizer saved next to it), a head folder and a 2-question file."""
+    """A tiny bigram base model folder (tokenizer saved next to it), a random EAGLE-3 head, an EAGLE-1 head that
+    drafts the base's own tokens, and a 2-question file."""
     root = tmp_path_factory.mktemp("bench")
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
     )
-    model = LlamaForCausalLM(config)
+    model = _bigram_base(config)
     model.save_pretrained(root / "base")
     load_tokenizer().save_pretrained(root / "base")
     save_head(new_head("eagle3", config), root / "head")
-    save_head(new_head("eagle1", config), root / "head1")
+    save_head(_bigram_drafter(config), root / "head1")
     questions = root / "questions.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     return root
@@ -66,9 +94,23 @@ def test_json_schema_and_tau(assets, report):
             assert 1 <= len(result["token_ids"]) <= MAX_NEW and result["wall_s"] > 0 and result["target_forwards"] >= 1
     assert saved["summary"]["vanilla"]["tau"] == 1.0 and saved["summary"]["vanilla"]["speedup_vs_vanilla"] == 1.0
     assert saved["summary"]["hf"]["tau"] == 1.0  # plain generate: one forward per token, counted by the hook
-    assert saved["summary"]["eagle"]["tau"] >= 1.0
     assert saved["summary"]["eagle"]["draft_ms"] > 0 and saved["summary"]["hf"]["draft_ms"] is None
-    assert saved["summary"]["e1"]["tau"] >= 1.0 and saved["summary"]["e1"]["draft_ms"] > 0  # the EAGLE-1 head drafted
+    assert saved["summary"]["e1"]["draft_ms"] > 0  # the EAGLE-1 head drafted
+
+
+def test_tau_is_new_tokens_per_round_of_the_engine_run_alone(assets, report):
+    """tau pools the questions' new tokens and rounds, the prefill left out, and they must be what the engine does
+    on its own; the EAGLE-1 head gets drafts accepted here, where a miscount cannot hide behind tau = 1."""
+    engine = Engine.load(str(assets / "base"), str(assets / "head1"), dtype="float32")
+    params = DecodeParams().with_options(max_new_tokens=MAX_NEW, total_tokens=6, depth=2, draft_top_k=3)
+    produced = rounds = 0
+    for question, saved in zip(QUESTIONS, report["questions"], strict=True):
+        steps = list(engine.generate(engine.encode_chat([{"role": "user", "content": question["turns"][0]}]), params))
+        assert saved["results"]["e1"]["token_ids"] == tokens_of(steps)
+        assert saved["results"]["e1"]["target_forwards"] == len(steps)
+        produced, rounds = produced + len(tokens_of(steps)) - 1, rounds + len(steps) - 1
+    assert produced / rounds > 1.5, "the bigram drafter's drafts should be accepted"
+    assert report["summary"]["e1"]["tau"] == pytest.approx(produced / rounds)
 
 
 def test_tau_by_category_pools_each_categorys_questions():

@@ -131,5 +131,7 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, cache)
     resumed = make_trainer(model, records, tmp_path / "split", config, tmp_path / "f2" if cache else None)
     summary = resumed.fit()
     assert summary["resumed"] and summary["steps_this_run"] == whole.step - 4
-    for (name, a), (_, b) in zip(whole.unwrapped.state_dict().items(), resumed.unwrapped.state_dict().items()):
-        assert torch.equal(a, b), name
+    whole_state, resumed_state = whole.unwrapped.state_dict(), resumed.unwrapped.state_dict()
+    assert whole_state.keys() == resumed_state.keys()
+    for name, tensor in whole_state.items():
+        assert torch.equal(tensor, resumed_state[name]), name
