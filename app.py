@@ -1,5 +1,6 @@
 """Chat with a model in the browser and watch EAGLE speculative decoding at work: `python app.py [options]`.
 
+The same port serves an OpenAI-compatible API under /v1 (app/api.py); `--api-only` serves the API alone.
 Also the Hugging Face Spaces entry point: Spaces runs this file as it is (host and port come from the
 GRADIO_SERVER_NAME / GRADIO_SERVER_PORT environment variables that Spaces sets).
 """
@@ -7,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from app.zerogpu import on_gpu  # before torch: on ZeroGPU hardware `spaces` must patch CUDA first
 
 from engine import CheckpointError, DecodeParams, Engine
 from engine.models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS
 
+from app.api import Access, Api, model_ids, serve
 from app.chat import ChatService, EngineThread
 from app.ui import CSS, build_demo
 
@@ -43,17 +46,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--auth", type=parse_auth, help="user:password required to open the app (recommended with --share)")
     add("--max-new-tokens", type=int, default=DecodeParams.max_new_tokens,
         help="longest answer a user may ask for (the settings slider's maximum)")
+    add("--api-key", help="key the OpenAI-compatible API at /v1 requires (Authorization: Bearer KEY); "
+        "--auth's user:password is a key too")
+    add("--api-only", action="store_true",
+        help="serve the API alone, without the UI: up at once, answering 503 until the model is loaded")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be at least 1")
+    if args.api_only and args.share:
+        parser.error("--share makes a link to the UI, which --api-only does not serve")
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def load_service(args: argparse.Namespace, engine_thread: EngineThread) -> ChatService:
+    """The engine the arguments name, loaded on the engine thread, behind the ChatService that UI and API share."""
     head = None if args.head.lower() == "none" else args.head
-    engine_thread = EngineThread()  # loads the model and runs every step of every answer (see app/chat.py)
     try:
         engine = engine_thread.call(
             Engine.load,
@@ -64,11 +71,30 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"app.py: error: {err}") from None
     service = ChatService(engine, engine_thread)
     service.stream = on_gpu(service.stream)  # the generation function, under spaces.GPU on ZeroGPU hardware
+    return service
+
+
+def attach(api: Api, service: ChatService, args: argparse.Namespace) -> None:
+    api.attach(service, model_ids(args.base, args.head if service.engine.head is not None else None))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api = Api(Access.from_options(args.api_key, args.auth, args.share), args.max_new_tokens)
+    if warning := api.access.warning(args.host or os.environ.get("GRADIO_SERVER_NAME")):
+        logging.warning("⚠ %s", warning)
+    engine_thread = EngineThread()  # loads the model and runs every step of every answer (see app/chat.py)
+    if args.api_only:
+        serve(api, args.host, args.port, lambda: attach(api, load_service(args, engine_thread), args))
+        return
+    service = load_service(args, engine_thread)
+    attach(api, service, args)
     demo = build_demo(service, args.max_new_tokens)
     demo.queue(max_size=64)
     demo.launch(
         server_name=args.host, server_port=args.port, share=args.share, auth=args.auth, css_paths=[CSS],
-        footer_links=["gradio", "settings"],
+        footer_links=["gradio", "settings"], app_kwargs={"routes": api.routes()},  # /v1 first, then Gradio's
     )
 
 

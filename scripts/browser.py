@@ -6,59 +6,15 @@ own browser download is never used.
 """
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
-
 from playwright.sync_api import Browser, Page, Playwright
 
-ROOT = Path(__file__).resolve().parents[1]
+from scripts.app_server import ROOT, start_app, stop_app  # noqa: F401  (the browser test and screenshot start it)
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
     "--disable-sync", "--no-first-run",
 ]
-STARTUP_S = 300  # model load, on a busy 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_app(*args: str, log: Path) -> tuple[subprocess.Popen, str]:
-    """Start `python app.py *args` on a free port and wait until it serves its page."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port), *args],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"app.py exited with code {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=5):
-                return process, url
-        except OSError:
-            time.sleep(1)
-    stop_app(process)
-    raise TimeoutError(f"app.py did not serve {url} within {STARTUP_S} s:\n{log.read_text()[-3000:]}")
-
-
-def stop_app(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def launch_chromium(playwright: Playwright) -> Browser:

@@ -1,0 +1,333 @@
+"""An OpenAI-compatible endpoint (/v1/chat/completions, /v1/models) over the app's one ChatService.
+
+API requests take their turn with the UI's: ChatService.stream waits for the same turn lock and decodes on the same
+engine thread. A request reads that stream from worker threads, one update per call, and closes it at a stop string
+or when its client has gone, which stops the engine after the round in progress.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Awaitable, Callable
+
+import anyio
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from engine import DecodeParams
+from engine.draft.checkpoint import DEFAULT_HEAD
+from engine.models import DEFAULT_BASE
+
+from .chat import ChatService
+from .meter import TurnMeter
+from .openai_schema import ApiError, ChatRequest, Completion, event, parse_request, usage
+from .render import Answer
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 8 << 20  # far above any context this engine serves; a bigger body is refused before parsing
+WAITING_REQUESTS = 16  # API requests that may block a worker thread while they wait for their turn; more wait idle
+LOADING = "the model is still loading; retry in a few seconds"
+SHARE_REFUSED = (
+    "the API is off on a public --share link without --api-key or --auth: restart the app with one of them"
+)
+FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length"}  # the engine's names -> the protocol's
+
+
+def model_name(source: str | Path) -> str:
+    """A model's id part: a folder or file by its name, a hub id as it is."""
+    path = Path(source).expanduser()
+    return path.name if path.exists() else str(source)
+
+
+def model_ids(base: str | None, head: str | Path | None) -> dict[str, str]:
+    """The served model ids and their methods: the base model alone (plain decoding), and base+head (EAGLE)."""
+    base_id = model_name(base or DEFAULT_BASE)
+    ids = {base_id: "vanilla"}
+    if head is not None:
+        ids[f"{base_id}+{model_name(DEFAULT_HEAD if head == 'default' else head)}"] = "eagle"
+    return ids
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may call the API: holders of a key (sent as a Bearer token), or anyone when there is none; nobody when
+    the app is shared publicly without keys (`public`)."""
+
+    keys: tuple[str, ...] = ()
+    public: bool = False
+
+    @classmethod
+    def from_options(cls, api_key: str | None, auth: tuple[str, str] | None, share: bool) -> Access:
+        """--api-key is a key; so is the UI's --auth, as "user:password"."""
+        keys = tuple(k for k in (api_key, auth and ":".join(auth)) if k)
+        return cls(keys, share)
+
+    def check(self, authorization: str | None) -> None:
+        if not self.keys:
+            if self.public:
+                raise ApiError(403, SHARE_REFUSED, type="permission_error", code="api_disabled")
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>' (--api-key, or "
+                           "user:password of --auth)", type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        if not any(secrets.compare_digest(token.strip().encode(), key.encode()) for key in self.keys):
+            raise ApiError(401, "incorrect API key", type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def warning(self, host: str | None) -> str | None:
+        """What start-up should say loudly about this access, if anything."""
+        if self.public and not self.keys:
+            return f"--share without --api-key or --auth: {SHARE_REFUSED}"
+        if not self.keys and host not in (None, "127.0.0.1", "localhost", "::1"):
+            return f"the API at /v1 on {host} has no key: anyone who reaches this address can use it (--api-key)"
+        return None
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated request, ready for the engine."""
+
+    model: str
+    prompt_ids: list[int]
+    params: DecodeParams
+    stops: tuple[str, ...]
+    include_usage: bool
+
+
+def release(text: str, stops: tuple[str, ...], final: bool) -> tuple[int, bool]:
+    """How much of the answer so far the client may see, and whether a stop string ends it there.
+
+    A tail that could begin a stop string is held back until the next round tells, so streamed text never shows
+    what a stop string would have cut.
+    """
+    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+    if found:
+        return min(found), True
+    if final:
+        return len(text), False
+    held = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    return len(text) - held, False
+
+
+class Reply:
+    """The answer as the client sees it: the text released so far, why it ended, and the engine's figures."""
+
+    def __init__(self, job: Job):
+        self.stops, self.text, self.stopped = job.stops, "", False
+        self.answer, self.meter = Answer(), TurnMeter(job.params.method)
+
+    def update(self, answer: Answer, meter: TurnMeter) -> str:
+        """Take one round's state of the answer; returns the text newly released."""
+        self.answer, self.meter = answer, meter
+        end, self.stopped = release(answer.text, self.stops, final=meter.finish_reason is not None)
+        new, self.text = answer.text[len(self.text) : end], answer.text[:end]
+        return new
+
+    @property
+    def finish_reason(self) -> str | None:
+        return "stop" if self.stopped else FINISH_REASONS.get(self.meter.finish_reason or "")
+
+    def figures(self) -> dict:
+        """The speculative decoding figures, in the extra field "eagle"."""
+        tau, speed = self.meter.tau, self.meter.tokens_per_s
+        return {
+            "method": self.meter.method, "rounds": self.meter.rounds, "accepted_tokens": sum(self.answer.drafted),
+            "tau": None if tau is None else round(tau, 3), "tokens_per_s": None if speed is None else round(speed, 2),
+        }
+
+
+class Api:
+    """The /v1 routes. Until a ChatService is attached (the model loads) they answer 503."""
+
+    def __init__(
+        self, access: Access, max_new_tokens: int, defaults: DecodeParams = DecodeParams(),
+        waiting: int = WAITING_REQUESTS,
+    ):
+        self.access, self.max_new_tokens, self.defaults = access, max_new_tokens, defaults
+        self.service: ChatService | None = None
+        self.models: dict[str, str] = {}
+        self.created = int(time.time())
+        self._waiting = anyio.CapacityLimiter(waiting)
+
+    def attach(self, service: ChatService, models: dict[str, str]) -> None:
+        self.models = models
+        self.service = service  # last: requests take a set service for a loaded model
+
+    def routes(self) -> list[Route]:
+        """The routes, for Gradio's FastAPI app (launch's app_kwargs) or a bare Starlette app."""
+        return [
+            Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/engine", self.engine_status, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/{path:path}", self.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
+        ]
+
+    def _ready(self, request: Request) -> ChatService:
+        self.access.check(request.headers.get("authorization"))
+        if self.service is None:
+            raise ApiError(503, LOADING, type="server_error", code="model_loading", headers={"Retry-After": "5"})
+        return self.service
+
+    async def list_models(self, request: Request) -> JSONResponse:
+        return await _answer(self._models(request))
+
+    async def _models(self, request: Request) -> dict:
+        self._ready(request)
+        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "eagle-chat", "method": method}
+                for name, method in self.models.items()]
+        return {"object": "list", "data": data}
+
+    async def engine_status(self, request: Request) -> JSONResponse:
+        """Whether the model is loaded, and the engine's rounds since start-up and turns in progress, UI's included."""
+        return await _answer(self._engine_status(request))
+
+    async def _engine_status(self, request: Request) -> dict:
+        self.access.check(request.headers.get("authorization"))
+        service = self.service
+        return {"object": "engine", "ready": service is not None, "rounds": service.rounds if service else 0,
+                "active": service.active if service else 0}
+
+    async def unknown(self, request: Request) -> JSONResponse:
+        return _error(ApiError(404, f"no route {request.method} {request.url.path} on this server", code="unknown_url"))
+
+    async def chat_completions(self, request: Request) -> JSONResponse | StreamingResponse:
+        try:
+            service = self._ready(request)
+            chat = parse_request(await _body(request))
+            job = await anyio.to_thread.run_sync(self._job, service, chat, limiter=self._waiting)
+        except ApiError as err:
+            return _error(err)
+        if chat.stream:
+            return StreamingResponse(self._events(job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _answer(self._whole(job, request))
+
+    def _job(self, service: ChatService, chat: ChatRequest) -> Job:
+        """Check the request against the engine: the model id, the conversation and how long an answer fits."""
+        if chat.model not in self.models:
+            raise ApiError(404, f"model {chat.model!r} is not served here; choose one of {', '.join(self.models)}",
+                           param="model", code="model_not_found")
+        try:
+            ids = service.engine.encode_chat([m.chat() for m in chat.messages])
+        except ValueError as err:
+            raise ApiError(400, str(err), param="messages", code="invalid_value") from None
+        room = service.engine.max_context - len(ids)
+        if chat.limit is not None and chat.limit > self.max_new_tokens:
+            field = "max_completion_tokens" if chat.max_completion_tokens else "max_tokens"
+            raise ApiError(400, f"{field} is at most {self.max_new_tokens} on this server (--max-new-tokens), "
+                           f"got {chat.limit}", param=field, code="invalid_value")
+        if room < (chat.limit or 1):
+            asked = f" and the answer may take {chat.limit} more" if chat.limit else ""
+            raise ApiError(400, f"the conversation is {len(ids)} tokens long{asked}: over this model's context of "
+                           f"{service.engine.max_context} tokens", param="messages", code="context_length_exceeded")
+        params = self.defaults.with_options(
+            method=self.models[chat.model], max_new_tokens=chat.limit or min(self.max_new_tokens, room),
+            temperature=chat.temperature, top_p=chat.top_p, top_k=chat.top_k, seed=chat.seed,
+        )
+        return Job(chat.model, ids, params, chat.stop, chat.stream_options.include_usage)
+
+    async def _rounds(self, job: Job, reply: Reply, request: Request | None = None) -> AsyncIterator[str]:
+        """Decode `job`, yielding the text each round releases; stops the engine at a stop string, or when the
+        client of a non-streaming `request` has gone (a streaming response is cancelled by the server instead)."""
+        stream = self.service.stream(job.prompt_ids, job.params)
+        limiter = self._waiting  # the first round waits for the turn; the turn's holder never queues behind waiters
+        try:
+            while (update := await anyio.to_thread.run_sync(next, stream, None, limiter=limiter)) is not None:
+                limiter = None
+                yield reply.update(*update)
+                if reply.stopped or (request is not None and await request.is_disconnected()):
+                    return
+        finally:  # closing ends the turn and lets go of the engine, even while the response is being cancelled
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(stream.close)
+
+    async def _whole(self, job: Job, request: Request) -> dict:
+        reply = Reply(job)
+        async for _ in self._rounds(job, reply, request):
+            pass
+        completion = Completion(job.model)
+        return completion.whole(reply.text, reply.finish_reason or "length", self._usage(job, reply),
+                                eagle=reply.figures())
+
+    async def _events(self, job: Job) -> AsyncIterator[str]:
+        completion, reply = Completion(job.model), Reply(job)
+        yield event(completion.chunk({"role": "assistant", "content": ""}))
+        try:
+            async for text in self._rounds(job, reply):
+                if text:
+                    yield event(completion.chunk({"content": text}))
+            yield event(completion.chunk({}, reply.finish_reason or "length", eagle=reply.figures()))
+            if job.include_usage:
+                yield event(completion.usage_chunk(self._usage(job, reply)))
+        except Exception as err:  # the status line has gone out: the client hears of a failure in the stream
+            log.exception("streamed completion failed")
+            yield event(_server_error(err).body())
+        yield event("[DONE]")
+
+    @staticmethod
+    def _usage(job: Job, reply: Reply) -> dict:
+        """Completion tokens count every token decoded, those a stop string cut from the text included."""
+        return usage(len(job.prompt_ids), len(reply.answer.ids))
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, refused with 413 past MAX_BODY_BYTES without reading the rest."""
+    too_big = ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise too_big
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > MAX_BODY_BYTES:
+            raise too_big
+    return bytes(body)
+
+
+async def _answer(body: Awaitable[dict]) -> JSONResponse:
+    """The JSON `body` resolves to, or its ApiError in the protocol's shape, or any other failure as a 500."""
+    try:
+        return JSONResponse(await body)
+    except ApiError as err:
+        return _error(err)
+    except Exception as err:  # never a traceback to the client; the log has it
+        log.exception("API request failed")
+        return _error(_server_error(err))
+
+
+def _server_error(err: Exception) -> ApiError:
+    return ApiError(500, f"the server failed while answering ({type(err).__name__}); its log has the details",
+                    type="server_error", code="internal_error")
+
+
+def _error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def serve(api: Api, host: str | None, port: int | None, load: Callable[[], None]) -> None:
+    """The API alone, without the UI: serve at once (503 until the model is ready) while `load` attaches it."""
+    server = uvicorn.Server(uvicorn.Config(
+        Starlette(routes=api.routes()),
+        host=host or "127.0.0.1", port=port or 7860, log_level="info",
+    ))
+    failure: list[BaseException] = []
+
+    def load_then_stop_on_failure() -> None:
+        try:
+            load()
+        except BaseException as err:  # the main thread reports it once the server has stopped
+            failure.append(err)
+            server.should_exit = True
+
+    threading.Thread(target=load_then_stop_on_failure, name="load", daemon=True).start()
+    server.run()
+    if failure:
+        raise failure[0]
