@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto: bfloat16 on a CPU with native bf16 (exact and faster there), else float32")
     add("--quantization", default="none", choices=list(QUANTIZATIONS),
         help="bitsandbytes weights, for Hugging Face checkpoints")
-    add("--max-memory", help="with --device auto on several GPUs: the most each GPU may hold, e.g. 20GiB")
+    add("--max-memory", help="with --device auto or cuda:N: the most each GPU may hold, e.g. 20GiB")
     add("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     add("--port", type=int, help="port (default 7860, or the next free one)")
     add("--share", action="store_true", help="also serve through a temporary public gradio.live link")
@@ -67,7 +67,7 @@ def load_service(args: argparse.Namespace, engine_thread: EngineThread) -> ChatS
             args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
             max_memory=args.max_memory,
         )
-    except (CheckpointError, ValueError, OSError, ImportError) as err:  # bad paths, sizes, devices, packages
+    except (CheckpointError, ValueError, OSError, ImportError, MemoryError) as err:  # paths, sizes, devices, packages
         raise SystemExit(f"app.py: error: {err}") from None
     service = ChatService(engine, engine_thread)
     service.stream = on_gpu(service.stream)  # the generation function, under spaces.GPU on ZeroGPU hardware
