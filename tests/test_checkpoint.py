@@ -101,11 +101,24 @@ def test_save_then_load_round_trips_exactly(writer, model, tmp_path, prompt):
     assert json.loads((tmp_path / "again" / "config.json").read_text())["num_hidden_layers"] == 1
     weights_mode = (tmp_path / "again" / "model.safetensors").stat().st_mode & 0o777
     assert weights_mode == (tmp_path / "again" / "config.json").stat().st_mode & 0o777  # as the umask says, not 0600
-    # Greedy tokens are the same for any head; which of them were drafts is the head's own: it must not change.
+    # Greedy tokens are the same for any head: what must not change is what the head computes, bit for bit, and so
+    # which tokens it gets accepted.
+    engine = Engine(model, IdsOnlyTokenizer(), head)
+    _, features = engine.target.forward(torch.tensor(prompt), engine.target.new_cache())
+    logits = [_draft_logits(h, features, prompt) for h in (head, again)]
+    assert torch.equal(*logits), "the reloaded head computes something else"
     runs = [list(Engine(model, IdsOnlyTokenizer(), h).generate(prompt, method="eagle", max_new_tokens=40))
             for h in (head, again)]
     drafted = [[s.drafted for s in steps] for steps in runs]
     assert drafted[0] == drafted[1] and any(map(any, drafted[0])), "the reloaded head drafts differently"
+
+
+def _draft_logits(head, features: torch.Tensor, prompt: list[int]) -> torch.Tensor:
+    """The head's draft logits at every slot of the prompt (slot p: feature after token p, token p + 1)."""
+    n = len(prompt)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    out, _ = head(features[None], torch.tensor([prompt[1:] + [0]]), torch.arange(n), None, causal, from_target=True)
+    return head.logits(out)
 
 
 def test_truncated_file_is_refused_clearly(model, tmp_path):

@@ -64,9 +64,9 @@ def test_dynamic_tree_size(prompt):
             assert len(toks) == len(set(toks))
 
 
-def _head_log_probs_after(engine, prompt: list[int], path: list[int]) -> torch.Tensor:
-    """The head's draft log-probs after the prompt and `path` (the root first), fed straight through the head module
-    one token at a time, with plain causal visibility: what a tree node's children must be the best of."""
+def _head_output_after(engine, prompt: list[int], path: list[int]) -> torch.Tensor:
+    """The head's output after the prompt and `path` (the root first), fed straight through the head module one
+    token at a time with plain causal visibility: what the tree's batched feeding must compute for that node."""
     head, n = engine.head, len(prompt)
     _, features = engine.target.forward(torch.tensor(prompt), engine.target.new_cache())
     causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
@@ -79,21 +79,42 @@ def _head_log_probs_after(engine, prompt: list[int], path: list[int]) -> torch.T
                        from_target=False)
         past = [(torch.cat([k, k1], 2), torch.cat([v, v1], 2)) for (k, v), (k1, v1) in zip(past, kv)]
         hidden = out[0, -1]
-    return torch.log_softmax(head.logits(hidden).float(), dim=-1)
+    return hidden
+
+
+def _recording(expand, fed: list):
+    """Wrap a drafter's expand to keep (token path, head output) of every node the tree feeds, the path read off
+    the node's visible row: the fed nodes it sees, in feeding order, are its ancestors."""
+
+    def recorded(hidden: torch.Tensor, tokens: torch.Tensor, level: int, visible: torch.Tensor) -> torch.Tensor:
+        out, before = expand(hidden, tokens, level, visible), len(fed)
+        for i, token in enumerate(tokens.tolist()):
+            seen = visible[i, :before].nonzero().flatten().tolist()
+            fed.append(((fed[seen[-1]][0] if seen else ()) + (token,), out[i]))
+        return out
+
+    return recorded
 
 
 @pytest.mark.parametrize("kind,spec", [("eagle3", DynamicTree(total_tokens=24, depth=4, top_k=4)),
                                        ("eagle1", StaticTree())], ids=["eagle3-dynamic", "eagle1-static"])
-def test_real_heads_draft_their_best_tokens_under_every_node(kind, spec, prompt):
-    """Each node's children are the head's likeliest drafts after the node's path, in rank order: the tree's
-    batched feeding (positions, masks, hidden states) computes what one-token-at-a-time drafting would."""
+def test_real_heads_draft_as_one_token_at_a_time_would(kind, spec, prompt, monkeypatch):
+    """The tree's batched feeding (positions, masks, hidden states, the tree's own keys) gives every node the
+    head's output for its path fed alone, and each node's children are the likeliest drafts after it, in order."""
     engine = tiny_engine("llama-h64-l8-gqa", kind)
-    tree = _drafter(engine, prompt).propose(ROOT, spec)
+    drafter, fed = _drafter(engine, prompt), []
+    monkeypatch.setattr(drafter, "expand", _recording(drafter.expand, fed))
+    tree = drafter.propose(ROOT, spec)
+    assert len(fed) > 3
+    for path, out in fed:  # random heads' outputs are large (EAGLE-1's ~1e6 here): compare relative to their scale
+        alone = _head_output_after(engine, prompt, [ROOT, *path])
+        torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item(),
+                                   msg=lambda m: f"node {path}: {m}")
     paths = node_paths(tree.tokens.tolist(), tree.parents.tolist())
     for node, kids in enumerate(tree.children()):
         if kids:
-            ranked = _head_log_probs_after(engine, prompt, [ROOT, *paths[node]]).topk(len(kids)).indices
-            assert tree.tokens[kids].tolist() == engine.head.to_target(ranked).tolist(), f"node {node}"
+            ranked = engine.head.logits(_head_output_after(engine, prompt, [ROOT, *paths[node]])).topk(len(kids))
+            assert tree.tokens[kids].tolist() == engine.head.to_target(ranked.indices).tolist(), f"node {node}"
 
 
 # The fake head's sizes: a draft vocabulary mapped into a larger base one, and the longest path it can encode.
