@@ -11,6 +11,7 @@ from conftest import PACKED_DTYPES, SHAPES, IdsOnlyTokenizer, tiny_base, tokens_
 from engine import Engine
 from engine.models import load_base
 from engine.train.data import encode_prompt, first_prompt, read_conversations, stop_ids
+from engine.train import generation
 from engine.train.generation import SlotCache, generate_replies, prepare_model
 
 STOPS = [5, 6]  # frequent in these random models' output: replies end at many lengths
@@ -38,6 +39,15 @@ def test_every_row_of_a_batch_equals_plain_greedy_decoding(shape, dtype):
     prepare_model(model)
     replies = dict(generate_replies(model, prompts, STOPS, 24, slots=4))
     assert [replies[i] for i in range(len(prompts))] == expected
+
+
+def test_prompts_prefilled_in_groups_within_the_token_budget_reply_alike(monkeypatch):
+    model = tiny_base("qwen3-h64-l9")
+    prepare_model(model)
+    prompts = random_prompts(13, 40, seed=3)
+    together = dict(generate_replies(model, prompts, STOPS, 12, slots=13))
+    monkeypatch.setattr(generation, "PREFILL_TOKENS", 45)  # groups of one to a few prompts
+    assert dict(generate_replies(model, prompts, STOPS, 12, slots=13)) == together
 
 
 def test_replies_come_as_rows_end_and_each_ends_at_its_first_stop():

@@ -10,7 +10,8 @@ batch of rows of different lengths still gives each row its own tokens. What mak
 - one KV cache allocated up front, a slot per row, each row written at its own position (no concatenation per
   step); kept in float64 on the CPU, so keys are widened once, when written;
 - a row leaves the batch as soon as its reply ends, and its slot takes the next prompt (continuous batching);
-  prompts enter shortest first, so the rows of a step need keys of similar length;
+  prompts enter shortest first, so the rows of a step need keys of similar length, and are prefilled in groups
+  of similar length, so little of a prefill is padding;
 - the LM head runs only where a token is picked: the last prompt position, then each new token.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..packed import bf16_native, pack_linears
 from ..verify import Sampling
 
 FUSED_WIDE = "eagle_wide_fused"
+PREFILL_TOKENS = 2048  # padded prompt tokens per prefill forward: few pad tokens, activations of a few MB a layer
 
 
 def generation_dtype(device: str) -> str:
@@ -119,12 +121,20 @@ class BatchGenerator:
         while True:
             free = (self.owner < 0).nonzero().flatten()
             if self.queue and len(free):
-                self.prefill(free[: len(self.queue)])
+                self.prefill(free[: self.admissible(len(free))])
             elif len(free) == len(self.owner):
                 return
             else:
                 self.decode_step()
             yield from self.harvest()
+
+    def admissible(self, free: int) -> int:
+        """How many of the next prompts one prefill takes: up to `free`, within PREFILL_TOKENS once padded to the
+        longest (the queue is sorted, so that is the last; one prompt always goes)."""
+        count, most = 1, min(free, len(self.queue))
+        while count < most and (count + 1) * len(self.prompts[self.queue[count]]) <= PREFILL_TOKENS:
+            count += 1
+        return count
 
     @torch.inference_mode()
     def prefill(self, slots: torch.Tensor) -> None:
