@@ -5,8 +5,8 @@ greedy decoding gives for that prompt alone. On the CPU the packed linear layers
 float64-summed attention (engine.attention) compute every row alike whatever else shares the forward, so a
 batch of rows of different lengths still gives each row its own tokens. What makes it fast:
 
-- attention summed in float64 like engine.attention's, through torch's fused kernel (scaled_dot_product_attention)
-  rather than materialised scores: float64 sums agree to ~1e-16 in any order, so the rows round to the same bits;
+- attention summed in float64 like engine.attention's, in products shaped for one-token rows: float64 sums agree
+  to ~1e-16 in any order, so the rows round to the same bits;
 - one KV cache allocated up front, a slot per row, each row written at its own position (no concatenation per
   step); kept in float64 on the CPU, so keys are widened once, when written;
 - a row leaves the batch as soon as its reply ends, and its slot takes the next prompt (continuous batching);
@@ -20,7 +20,6 @@ from collections import deque
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -41,11 +40,18 @@ def generation_dtype(device: str) -> str:
 def fused_wide_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor, scaling: float | None = None, dropout: float = 0.0,
                          **kwargs) -> tuple[torch.Tensor, None]:
-    """engine.attention.wide_attention's float64 sums in torch's fused kernel; query [B, H, T, D], key/value
-    [B, Hkv, L, D], an additive mask [B, 1, T, L]. Returns [B, T, H, D] in the query's dtype."""
-    wide = torch.float64
-    out = F.scaled_dot_product_attention(query.to(wide), key.to(wide), value.to(wide), attn_mask=attention_mask.to(wide),
-                                         scale=scaling, enable_gqa=True)
+    """engine.attention.wide_attention's float64 sums, shaped for a batch of one-token rows: query [B, H, T, D],
+    key/value [B, Hkv, L, D], an additive mask [B, 1, T, L]; returns [B, T, H, D] in the query's dtype. Keys times
+    queries (L x D by D x G*T) suits float64 matrix kernels better than queries times keys, whose rows are few."""
+    batch, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups, wide = heads // kv_heads, torch.float64
+    grouped = query.to(wide).reshape(batch, kv_heads, groups * rows, dim)
+    scores = (key.to(wide) @ grouped.transpose(-1, -2)).transpose(-1, -2)
+    scale = dim**-0.5 if scaling is None else scaling
+    scores = scores.view(batch, kv_heads, groups, rows, length) * scale + attention_mask.to(wide)[:, :, None]
+    probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, groups * rows, length)
+    out = (probs @ value.to(wide)).view(batch, heads, rows, dim)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
