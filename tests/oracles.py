@@ -91,7 +91,7 @@ def chi_square_pvalue(observed: Iterable[Hashable], expected: dict) -> float:
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
-def uniformity_pvalue(values: Sequence[float], bins: int = 20) -> float:
+def uniformity_pvalue(values: Sequence[float], bins: int = 10) -> float:
     """Chi-square p-value that `values` in [0, 1) are uniform, over equal bins."""
     observed = [min(int(v * bins), bins - 1) for v in values]
     return chi_square_pvalue(observed, {b: 1 / bins for b in range(bins)})
@@ -99,8 +99,11 @@ def uniformity_pvalue(values: Sequence[float], bins: int = 20) -> float:
 
 def randomized_pit(token: int, probs: Sequence[float], u: float) -> float:
     """Probability integral transform of a draw from a discrete law, made continuous by u ~ U(0, 1): uniform on
-    [0, 1) when token was drawn from probs, whatever probs is, and independent of earlier draws' values."""
-    return sum(probs[:token]) + u * probs[token]
+    [0, 1) when token was drawn from probs, whatever probs is, and independent of earlier draws' values. Tokens
+    are laid out likeliest first, so a sampler that favours or shuns the likely tokens (what a speculative bug
+    does) piles values near 0 or away from it in every context alike."""
+    above = sum(p for t, p in enumerate(probs) if p > probs[token] or (p == probs[token] and t < token))
+    return above + u * probs[token]
 
 
 LogProbs = Callable[[tuple[int, ...]], Sequence[float]]  # draft log-probs over draft ids after a token path

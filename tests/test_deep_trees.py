@@ -102,7 +102,7 @@ def test_sampling_through_deep_oracle_trees_draws_the_target_law(prompt):
     model, sampling = _small_peaked_model(), Sampling(0.7)
     target, u = Target(model), torch.Generator().manual_seed(0)
     pits, accepted = [], Counter()
-    for seed in range(40):
+    for seed in range(60):
         params = DecodeParams(max_new_tokens=24, sampling=sampling, tree=DynamicTree(depth=3), seed=seed)
         steps = list(decode(target, OracleDrafter(prompt, likeliest_continuation(model)), prompt, params))
         accepted.update(s.accepted for s in steps[1:-1])
