@@ -16,6 +16,7 @@ anything runs: update it to the code.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -117,10 +118,12 @@ def run_tests(root: Path, tests: tuple[str, ...], timeout: float, first_failure:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *(["-x"] * first_failure),
                *tests]
     try:
-        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout)
+        # A wide terminal, so that pytest's summary keeps each failure's message (a τ, a p-value) whole.
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "COLUMNS": "400"})
     except subprocess.TimeoutExpired:
         return False, ["(timed out)"], time.perf_counter() - start
-    failed = [line[:160] for line in re.findall(r"^(?:FAILED|ERROR) (.+)$", done.stdout, flags=re.M)]
+    failed = [line[:240] for line in re.findall(r"^(?:FAILED|ERROR) (.+)$", done.stdout, flags=re.M)]
     if done.returncode != 0 and not failed:
         failed = [done.stdout.strip().splitlines()[-1] if done.stdout.strip() else f"exit {done.returncode}"]
     return done.returncode == 0, failed, time.perf_counter() - start
