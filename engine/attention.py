@@ -6,10 +6,13 @@ many queries and keys a call has, and a tree puts a node's ancestors at other ke
 masked siblings in between). In float32 that moves outputs by ~1e-5, enough to flip a greedy choice between two
 near-tied tokens now and then; in bfloat16 it changes a result by a whole bf16 step in most rounds.
 
-Here the score, softmax and value sums run in float64: whatever the order, they agree to ~1e-16 relative, far
-below the float32 or bfloat16 rounding of the output, so the rows come out bit-identical (unless an exact result
-falls within ~1e-16 of a rounding boundary). With the packed linear layers (engine.packed), which compute each row
-alike for any batch, this makes a whole CPU forward batch-invariant. It costs a few milliseconds a forward.
+Two ways out. wide_attention runs the score, softmax and value sums in float64: whatever the order, they agree to
+~1e-16 relative, far below the float32 or bfloat16 rounding of the output, so the rows come out bit-identical
+(unless an exact result falls within ~1e-16 of a rounding boundary); its float64 copies of the cache make it cost
+more as the context grows. fixed_order_attention (float32 models, engine/kernels) gathers the keys a row sees in key
+order and sums them in one fixed order in float32, so a row's bits depend on what it sees and nothing else. With
+linear layers that compute each row alike for any batch (engine.packed, engine.quant), this makes a whole CPU
+forward batch-invariant.
 """
 from __future__ import annotations
 
@@ -18,7 +21,10 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from . import kernels
+
 NAME = "eagle_wide"
+FIXED_ORDER = "eagle_fixed_order"  # float32 models with engine/kernels built
 
 
 def wide_attention(
@@ -33,9 +39,7 @@ def wide_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface function: query [B, H, M, D], key/value [B, Hkv, L, D], an additive (or
     bool) mask [B, 1 or H, M, >=L] or None (causal). Returns [B, M, H, D] in the query's dtype."""
-    for unsupported in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"the CPU engine's attention does not implement {unsupported!r}; load with pack=False")
+    _refuse_unsupported(kwargs)
     batch, heads, rows, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -58,14 +62,45 @@ def wide_attention(
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(NAME, wide_attention)
-AttentionMaskInterface.register(NAME, eager_mask)
+def fixed_order_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """wide_attention's contract in float32 without the float64 copies of the cache that grow with the context:
+    engine/kernels sums each row's visible keys in key order (masked keys skipped), so a row's bits depend only on
+    what it sees. Same shapes as wide_attention; the mask must be shared by the heads ([B, 1, M, >=L])."""
+    _refuse_unsupported(kwargs)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(torch.float32).min)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return torch.ops.eagle_cpu.attention(query, key, value, attention_mask, scale), None
+
+
+def _refuse_unsupported(kwargs: dict) -> None:
+    for unsupported in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"the CPU engine's attention does not implement {unsupported!r}; load with pack=False")
+
+
+for _name, _function in ((NAME, wide_attention), (FIXED_ORDER, fixed_order_attention)):
+    AttentionInterface.register(_name, _function)
+    AttentionMaskInterface.register(_name, eager_mask)
 
 
 def use_wide_attention(model: PreTrainedModel) -> bool:
-    """Switch a model that runs wholly on the CPU to wide_attention; True if it now uses it. Models elsewhere keep
-    their attention (GPU kernels round differently again), and so do models that cannot change it after loading."""
+    """Switch a model that runs wholly on the CPU to a batch-invariant attention (fixed_order_attention for float32
+    where engine/kernels build: faster, and it does not grow with the context as the float64 copies do;
+    wide_attention otherwise); True if it now uses one. Models elsewhere keep their attention (GPU kernels round
+    differently again), and so do models that cannot change it after loading."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         return False
-    model.set_attn_implementation(NAME)
-    return model.config._attn_implementation == NAME
+    name = FIXED_ORDER if model.dtype == torch.float32 and kernels.available() else NAME
+    model.set_attn_implementation(name)
+    return model.config._attn_implementation == name

@@ -17,6 +17,7 @@ from .generate import Step, check_prompt, decode
 from .models import DEFAULT_BASE, DEFAULT_DEVICE, auto_dtype, load_base, resolve_dtype
 from .packed import bf16_native, pack_linears, packable_dtypes
 from .params import DecodeParams
+from .quant import QuantLinear, gguf_file, quantize_linears, resolve_kernels
 from .target import Target
 from .threads import ThreadGovernor
 
@@ -35,13 +36,22 @@ class Engine:
         *,
         pack: bool = False,
         follow_load: bool = True,
+        kernels: str = "float",
+        gguf: Path | None = None,
     ):
         """pack: replace the CPU linear layers of model and head by oneDNN-packed ones (engine.packed) and, for a
         model wholly on the CPU, its attention by engine.attention's: every row of a forward then comes out the same
         bits whatever the batch, so verification agrees exactly with one-token decoding. Changes the model in place.
         follow_load: for a model on the CPU, give up threads to other busy processes between steps
-        (engine.threads); the output does not depend on the thread count."""
+        (engine.threads); the output does not depend on the thread count.
+        kernels="q4": first replace the base model's float32 linear layers by engine.quant's grouped ones, holding
+        the groups of the GGUF file `gguf` where it has them, else quantizing (engine.quant.quantize_linears); a
+        head on a q4 model is quantized to Q8_0."""
         self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
+        self.quantized_layers = quantize_linears(model, gguf) if kernels == "q4" else 0
+        self.kernels = "q4" if any(isinstance(m, QuantLinear) for m in model.modules()) else "float"
+        if self.kernels == "q4" and head is not None:  # drafts only, so its rounding never changes the output
+            self.quantized_layers += quantize_linears(head, kind="Q8_0")
         self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
         self.wide_attention = pack and use_wide_attention(model)
         # Every row of a forward comes out the same bits whatever the batch: greedy EAGLE is plain decoding exactly.
@@ -75,6 +85,7 @@ class Engine:
         max_memory: str | None = None,
         pack: bool = True,
         follow_load: bool = True,
+        kernels: str = "auto",
     ) -> "Engine":
         """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise.
 
@@ -84,19 +95,22 @@ class Engine:
         CPU engine.attention's attention (whatever attn says), changing the model in place. follow_load: see __init__.
         head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16; the
         head's precision never changes the output (verification decides), only how fast and how well it drafts.
+        kernels "auto" | "q4" | "float": which CPU linear layers the base model runs (engine.quant.resolve_kernels);
+        q4 runs in float32, and it is that model that plain decoding and EAGLE both decode.
         """
         if head == "default":
             head = DEFAULT_HEAD if base in (None, "", DEFAULT_BASE) and DEFAULT_HEAD.exists() else None
         if head and attn == "flash_attention_2":
             raise ValueError("flash_attention_2 cannot apply the tree mask that EAGLE verification needs: "
                              "use attn='sdpa' with a draft head (flash_attention_2 serves plain decoding only)")
+        kernels = resolve_kernels(kernels, base, device, dtype, pack, quantization)
         if dtype == "auto":
-            dtype = auto_dtype(device, quantization, pack)
+            dtype = "float32" if kernels == "q4" else auto_dtype(device, quantization, pack)
         model, tokenizer = load_base(
             base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
         )
         draft = _load_head(head, model, head_dtype, pack) if head else None
-        return cls(model, tokenizer, draft, pack=pack, follow_load=follow_load)
+        return cls(model, tokenizer, draft, pack=pack, follow_load=follow_load, kernels=kernels, gguf=gguf_file(base))
 
     def with_head(self, head: str | Path, head_dtype: str | None = None) -> "Engine":
         """Another engine on this one's base model (shared, not copied) that drafts with another head: for comparing

@@ -1,14 +1,20 @@
-"""Wide (float64) attention: the same results as SDPA, and rows that do not depend on what shares their forward."""
+"""The CPU engine's attentions (float64 `wide`, float32 `fixed_order` from engine/kernels): the same results as SDPA,
+and rows that do not depend on what shares their forward."""
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import PACKED_DTYPES, IdsOnlyTokenizer
-from engine import Engine
-from engine.attention import NAME, wide_attention
+from engine import Engine, kernels
+from engine.attention import FIXED_ORDER, NAME, fixed_order_attention, wide_attention
 from engine.cache import truncate
 from engine.packed import packing_available
+
+NEEDS_KERNELS = pytest.mark.skipif(not kernels.available(), reason=f"engine/kernels: {kernels.unavailable_reason()}")
+# (attention, dtype): the float64 attention takes any dtype; the fixed-order one float32.
+ATTENTIONS = [(wide_attention, torch.float32), (wide_attention, torch.bfloat16),
+              pytest.param(fixed_order_attention, torch.float32, marks=NEEDS_KERNELS)]
 
 
 class GroupedAttention(torch.nn.Module):
@@ -28,14 +34,15 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("attention,dtype", ATTENTIONS)
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
-def test_wide_attention_computes_what_sdpa_does(dtype, tolerance, mask_kind):
+def test_attention_computes_what_sdpa_does(attention, dtype, mask_kind):
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     q, k, v = _qkv(rows=5, length=40, dtype=dtype)
     visible = torch.rand(5, 40, generator=torch.Generator().manual_seed(1)) < 0.6
     visible[:, 0] = True
     mask = {"none": None, "bool": visible[None, None], "additive": _additive(visible, dtype)}[mask_kind]
-    out, _ = wide_attention(GroupedAttention(), q, k, v, mask, scaling=0.1)
+    out, _ = attention(GroupedAttention(), q, k, v, mask, scaling=0.1)
     expected = F.scaled_dot_product_attention(
         q, k, v, attn_mask=None if mask is None else visible[None, None], scale=0.1, is_causal=mask is None,
         enable_gqa=True,
@@ -47,18 +54,18 @@ def test_wide_attention_computes_what_sdpa_does(dtype, tolerance, mask_kind):
     torch.testing.assert_close(out, expected.transpose(1, 2), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_do_not_depend_on_batch_or_key_layout(dtype):
+@pytest.mark.parametrize("attention,dtype", ATTENTIONS)
+def test_rows_do_not_depend_on_batch_or_key_layout(attention, dtype):
     """One query at a time over a growing cache (decoding) vs all at once vs a tree layout with masked nodes between
     the path's keys: the same bits. torch's SDPA fails this on the same tensors."""
     prefix, rows = 300, 12
     q, k, v = _qkv(rows, prefix + rows, dtype)
     attn = GroupedAttention()
     one_by_one = torch.cat([
-        wide_attention(attn, q[:, :, i : i + 1], k[:, :, : prefix + i + 1], v[:, :, : prefix + i + 1], None)[0]
+        attention(attn, q[:, :, i : i + 1], k[:, :, : prefix + i + 1], v[:, :, : prefix + i + 1], None)[0]
         for i in range(rows)
     ], dim=1)
-    together, _ = wide_attention(attn, q, k, v, None)
+    together, _ = attention(attn, q, k, v, None)
     assert torch.equal(together, one_by_one)
     # The same path as nodes of a 2*rows tree: path node i at slot 2i+1, a masked sibling at 2i.
     slots = torch.arange(rows) * 2 + 1
@@ -68,11 +75,11 @@ def test_rows_do_not_depend_on_batch_or_key_layout(dtype):
     visible[:, :prefix] = True
     for i in range(rows):
         visible[i, prefix + slots[: i + 1]] = True
-    in_tree, _ = wide_attention(attn, q, k_tree, v_tree, _additive(visible, dtype))
+    in_tree, _ = attention(attn, q, k_tree, v_tree, _additive(visible, dtype))
     assert torch.equal(in_tree, one_by_one)
 
 
-def _small_engine(dtype: torch.dtype) -> Engine:
+def _small_engine(dtype: torch.dtype, kernels: str) -> Engine:
     """Big enough for oneDNN's one-row kernel to round differently from its batched one (intermediate 1536)."""
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -80,14 +87,17 @@ def _small_engine(dtype: torch.dtype) -> Engine:
         num_key_value_heads=1, max_position_embeddings=512,
     )
     model = LlamaForCausalLM(config).to(dtype).eval().requires_grad_(False)
-    return Engine(model, IdsOnlyTokenizer(), pack=True)
+    return Engine(model, IdsOnlyTokenizer(), pack=True, kernels=kernels)
 
 
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
-@pytest.mark.parametrize("dtype", PACKED_DTYPES)
-def test_packed_cpu_forward_scores_a_tree_exactly_as_decoding_does(dtype):
-    engine = _small_engine(dtype)
-    assert engine.wide_attention and engine.model.config._attn_implementation == NAME
+@pytest.mark.parametrize("dtype,kernel_choice", [(torch.float32, "float"), pytest.param(
+    torch.bfloat16, "float", marks=PACKED_DTYPES[1].marks), pytest.param(torch.float32, "q4", marks=NEEDS_KERNELS)])
+def test_packed_cpu_forward_scores_a_tree_exactly_as_decoding_does(dtype, kernel_choice):
+    engine = _small_engine(dtype, kernel_choice)
+    assert engine.kernels == kernel_choice and engine.wide_attention
+    expected = FIXED_ORDER if dtype == torch.float32 and kernels.available() else NAME
+    assert engine.model.config._attn_implementation == expected
     target, cache = engine.target, engine.target.new_cache()
     prefix = 200
     target.forward(torch.randint(0, 256, (prefix,)), cache)

@@ -6,6 +6,10 @@ Methods:
   hf       transformers `generate` on the same model, as transformers runs it (stock layers, SDPA attention), in
            the engine's dtype or --hf-dtype's (say float32, transformers' fastest on a CPU where the engine runs bf16)
   hf-pld   transformers prompt lookup decoding (prompt_lookup_num_tokens=10)
+  llama.cpp  (only when named in --methods) llama.cpp itself (xllamacpp, requirements-bench.txt) on the same GGUF file,
+           the same prompt ids, greedy, with the engine's thread count: the runner a CPU user would pick. Its own
+           decode-only tokens/s is printed under the table; its tokens are compared with vanilla's as a report (its
+           Q4_1 kernels round differently)
   NAME     with --compare-head NAME=HEAD: the engine drafting with another head (say an EAGLE-1 head beside the
            shipped EAGLE-3 one), on the same base model in the same run
 
@@ -48,11 +52,14 @@ from ..engine import Engine
 from ..models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, load_base
 from ..params import DecodeParams
 from ..tree import TREES, DynamicTree
+from ..quant import KERNELS, gguf_file
 from .costs import verification_curve
+from .llamacpp import LlamaCpp, decode_tokens_per_s
 from .report import add_speedups, exactness_warnings, plot, print_table, summarize
 from .runs import SHARED_QUESTIONS, Run, first_turn_prompts, load_questions, run_engine, run_hf
 
 METHODS = ("vanilla", "eagle", "hf", "hf-pld")
+PEERS = ("llama.cpp",)  # other runners, from optional packages (requirements-bench.txt): only when asked for
 WARMUP_TOKENS = 8
 
 
@@ -69,11 +76,11 @@ class Setup:
 
 def parse_methods(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHODS + PEERS]
     if unknown:
-        raise ValueError(f"unknown method {', '.join(map(repr, unknown))}; choose among {', '.join(METHODS)}")
+        raise ValueError(f"unknown method {', '.join(map(repr, unknown))}; choose among {', '.join(METHODS + PEERS)}")
     if not methods:
-        raise ValueError(f"no method given; choose among {', '.join(METHODS)}")
+        raise ValueError(f"no method given; choose among {', '.join(METHODS + PEERS)}")
     return list(dict.fromkeys(methods))
 
 
@@ -110,11 +117,13 @@ def decode_params(args: argparse.Namespace) -> DecodeParams:
 
 
 def run_method(engines: dict[str, Engine], hf_model: PreTrainedModel, method: str, prompt: list[int],
-               params: DecodeParams) -> Run:
+               params: DecodeParams, llama: LlamaCpp | None = None) -> Run:
     """engines: the main engine under "vanilla" and "eagle", and one per --compare-head name."""
     if method in engines:
         return run_engine(engines[method], prompt, params.with_options(method="vanilla" if method == "vanilla"
                                                                         else "eagle"))
+    if method == "llama.cpp":
+        return llama.run(prompt, params)
     return run_hf(engines["vanilla"], hf_model, prompt, params, lookup=method == "hf-pld")
 
 
@@ -146,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--total-tokens", type=int, help=f"dynamic tree nodes incl. root (default {tree.total_tokens})")
     add("--depth", type=int, help=f"dynamic tree expansion steps (default {tree.depth})")
     add("--draft-top-k", type=int, help=f"children per expanded node (default {tree.top_k})")
+    add("--kernels", default="auto", choices=list(KERNELS),
+        help="the engine's CPU linear layers: q4 = the GGUF's 4-bit groups as they are (engine/quant.py), float = "
+             "oneDNN-packed float weights; auto = q4 for a GGUF base where engine/kernels build")
     add("--no-pack", dest="pack", action="store_false",
         help="keep the engine's CPU linear layers as transformers has them (no oneDNN packing)")
     add("--verify-curve", default=None, metavar="SIZES",
@@ -176,7 +188,7 @@ def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
     loses eagle when there is no head and gains the compared heads' names."""
     head = None if args.head.lower() == "none" else args.head
     engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                         pack=args.pack, follow_load=args.follow_load)
+                         pack=args.pack, follow_load=args.follow_load, kernels=args.kernels)
     engines = {"vanilla": engine, "eagle": engine}
     for name, compare_head in setup.compare_heads.items():
         try:
@@ -202,23 +214,36 @@ def hf_model_for(args: argparse.Namespace, engine: Engine, methods: list[str]) -
     return engine.model
 
 
+def llama_cpp_for(args: argparse.Namespace, engine: Engine, methods: list[str],
+                  prompts: list[list[int]]) -> LlamaCpp | None:
+    """llama.cpp on the base model's GGUF file when method llama.cpp runs, with the engine's thread count."""
+    if "llama.cpp" not in methods:
+        return None
+    path = gguf_file(args.base)
+    if path is None:
+        raise ValueError("method llama.cpp runs a GGUF file: pass --base FILE.gguf, or leave --base unset for the "
+                         "embedded model")
+    context = max(map(len, prompts)) + args.max_new_tokens
+    return LlamaCpp(path, threads=torch.get_num_threads(), context=context, stop_ids=engine.stop_ids)
+
+
 def _dtype_name(engine: Engine) -> str:
     return str(engine.model.dtype).removeprefix("torch.")
 
 
 def run_all(engines: dict[str, Engine], hf_model: PreTrainedModel, setup: Setup,
-            prompts: list[list[int]]) -> dict[str, list[Run]]:
+            prompts: list[list[int]], llama: LlamaCpp | None = None) -> dict[str, list[Run]]:
     """Every method on every prompt, after one short warm-up each; the order rotates per question."""
     methods, params = setup.methods, setup.params
     warmup = params.with_options(max_new_tokens=min(WARMUP_TOKENS, params.max_new_tokens))
     for method in methods:
-        run_method(engines, hf_model, method, prompts[0], warmup)
+        run_method(engines, hf_model, method, prompts[0], warmup, llama)
     runs: dict[str, list[Run]] = {m: [] for m in methods}
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen") as bar:
         for i, (q, prompt) in enumerate(zip(setup.questions, prompts)):
             for method in methods[i % len(methods):] + methods[: i % len(methods)]:
                 bar.set_postfix(question=q["question_id"], method=method)
-                runs[method].append(run_method(engines, hf_model, method, prompt, params))
+                runs[method].append(run_method(engines, hf_model, method, prompt, params, llama))
                 bar.update()
     return runs
 
@@ -228,11 +253,13 @@ def build_report(args: argparse.Namespace, setup: Setup, engine: Engine, prompts
     methods, params = setup.methods, setup.params
     summary = {m: summarize(runs[m], runs.get("vanilla"), [q["category"] for q in setup.questions]) for m in methods}
     add_speedups(summary)
+    if "llama.cpp" in summary:
+        summary["llama.cpp"]["decode_tokens_per_s"] = decode_tokens_per_s(runs["llama.cpp"])
     hf_methods = {"hf", "hf-pld"} & set(methods)
     config = {
         "base": args.base or "embedded SmolLM2-135M-Instruct",
         "head": (str(DEFAULT_HEAD) if args.head == "default" else args.head) if engine.head else None,
-        "compare_heads": setup.compare_heads, "dtype": _dtype_name(engine),
+        "compare_heads": setup.compare_heads, "dtype": _dtype_name(engine), "kernels": engine.kernels,
         "hf_dtype": (args.hf_dtype or _dtype_name(engine)) if hf_methods else None, "device": args.device,
         "questions": str(args.questions), "count": len(setup.questions), "methods": methods,
         "date": datetime.now().astimezone().isoformat(sep=" ", timespec="minutes"), "torch": torch.__version__,
@@ -257,9 +284,15 @@ def print_report(report: dict) -> None:
     hf_methods = {"hf", "hf-pld"} & set(config["methods"])
     if hf_methods and config["hf_dtype"] != config["dtype"]:
         print(f"note: {' and '.join(sorted(hf_methods))} ran in {config['hf_dtype']}, the engine in {config['dtype']}")
+    if "llama.cpp" in summary:
+        peer = summary["llama.cpp"]
+        print(f"note: llama.cpp decodes at {peer['decode_tokens_per_s']:.2f} tok/s by its own clock (prefill "
+              f"excluded); its greedy tokens equal vanilla's on {peer['matches_vanilla']}/{config['count']} questions "
+              "(its Q4_1 kernels round differently: a report, not a check)")
     if config["temperature"] == 0:
         exact_dtypes = config["hf_dtype"] == config["dtype"] == "float32"
-        for line in exactness_warnings(summary, config["count"], set() if exact_dtypes else hf_methods):
+        exempt = (set() if exact_dtypes else hf_methods) | {"llama.cpp"}
+        for line in exactness_warnings(summary, config["count"], exempt):
             print(line)
 
 
@@ -273,11 +306,16 @@ def main(argv: list[str] | None = None) -> dict:
         if setup.curve_sizes:
             return print_curve(engine, setup.curve_sizes)
         prompts = first_turn_prompts(engine, setup.questions)
-    except (ValueError, OSError) as err:
+        llama = llama_cpp_for(args, engine, setup.methods, prompts)
+    except (ValueError, OSError, ImportError) as err:
         parser.error(str(err))
     hf_model = hf_model_for(args, engine, setup.methods)
-    with busy_processes(args.busy):
-        runs = run_all(engines, hf_model, setup, prompts)
+    try:
+        with busy_processes(args.busy):
+            runs = run_all(engines, hf_model, setup, prompts, llama)
+    finally:
+        if llama is not None:
+            llama.close()
     report = build_report(args, setup, engine, prompts, runs)
     print_report(report)
     if args.json_out:

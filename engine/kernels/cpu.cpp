@@ -1,0 +1,317 @@
+// CPU kernels whose every output row is a function of its own input row only (AVX2 + FMA, float32).
+//
+// Greedy speculative decoding is exact when a tree forward scores each node with the same bits as one-token
+// decoding. Here every output element is computed by one thread with one fixed sequence of operations that does not
+// depend on how many rows share the call, where they sit, or how many threads run:
+//  - grouped_linear: weights kept as GGUF groups of 32 (Q4_1: w = d*q + m, q in 0..15; Q8_0: w = d*q, q int8),
+//    dequantized one tile of output features at a time into float32 (the very floats gguf's dequantize gives:
+//    d*q is exact, so fma(q, d, m) rounds once like (d*q) + m) and multiplied with every input row while the tile
+//    sits in L1, so the weights are read once per call whatever the number of rows.
+//  - attention: softmax(q.k * scale + mask) v per (row, head) over the keys the row sees, gathered in key order
+//    first, so masked keys between them (a tree's other branches) change nothing.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t GROUP = 32;  // weights per quantization group
+constexpr int64_t TILE = 8;    // output features dequantized together
+
+float hsum(__m256 v) {  // one fixed order: halves, then pairs, then the last two lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+__m256 bytes_to_float(__m128i eight_bytes_low, bool is_signed) {
+  __m256i wide = is_signed ? _mm256_cvtepi8_epi32(eight_bytes_low) : _mm256_cvtepu8_epi32(eight_bytes_low);
+  return _mm256_cvtepi32_ps(wide);
+}
+
+// The 32 weights of group g of one output feature, dequantized into w[0..3] (elements 0-7, 8-15, 16-23, 24-31).
+// Q4_1: 16 bytes per group, byte j holding element j (low nibble) and element j + 16 (high nibble).
+struct Q4_1 {
+  const uint8_t* codes;
+  const float *scales, *mins;
+  int64_t in;
+  void group(int64_t row, int64_t g, __m256 w[4]) const {
+    const int64_t at = row * (in / GROUP) + g;
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + at * GROUP / 2));
+    const __m128i low = _mm_and_si128(raw, nibble), high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+    const __m256 d = _mm256_set1_ps(scales[at]), m = _mm256_set1_ps(mins[at]);
+    w[0] = _mm256_fmadd_ps(bytes_to_float(low, false), d, m);
+    w[1] = _mm256_fmadd_ps(bytes_to_float(_mm_srli_si128(low, 8), false), d, m);
+    w[2] = _mm256_fmadd_ps(bytes_to_float(high, false), d, m);
+    w[3] = _mm256_fmadd_ps(bytes_to_float(_mm_srli_si128(high, 8), false), d, m);
+  }
+};
+
+// Q8_0: 32 signed bytes per group.
+struct Q8_0 {
+  const int8_t* codes;
+  const float* scales;
+  int64_t in;
+  void group(int64_t row, int64_t g, __m256 w[4]) const {
+    const int64_t at = row * (in / GROUP) + g;
+    const __m256 d = _mm256_set1_ps(scales[at]);
+    for (int part = 0; part < 4; ++part) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + at * GROUP + part * 8));
+      w[part] = _mm256_mul_ps(bytes_to_float(raw, true), d);
+    }
+  }
+};
+
+// out[i][r] = x_i . w_r for ROWS input rows and FEATURES tile rows: one 8-lane accumulator per output, lane l summing
+// k = l, l + 8, ... in order, then hsum. Blocking changes which outputs run side by side, never an output's sums.
+template <int ROWS, int FEATURES>
+void multiply_tile(const float* x, int64_t in, const float* w, const float* bias, float* out, int64_t out_stride,
+                   int64_t valid) {
+  __m256 acc[ROWS][FEATURES];
+  for (int i = 0; i < ROWS; ++i)
+    for (int r = 0; r < FEATURES; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < in; k += 8) {
+    for (int i = 0; i < ROWS; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * in + k);
+      for (int r = 0; r < FEATURES; ++r) acc[i][r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + r * in + k), acc[i][r]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int r = 0; r < FEATURES && r < valid; ++r) out[i * out_stride + r] = hsum(acc[i][r]) + (bias ? bias[r] : 0.f);
+}
+
+// A lone row (one-token decoding): each tile's weights dequantized in registers and used at once. The same
+// operations per output as multiply_tile over a dequantized tile, so the bits are those of any batch.
+template <typename Format>
+void multiply_row(const float* x, const Format& format, int64_t n0, int64_t valid, const float* bias, float* out) {
+  __m256 acc[TILE];
+  for (int r = 0; r < TILE; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < format.in / GROUP; ++g) {
+    const __m256 x0 = _mm256_loadu_ps(x + g * GROUP), x1 = _mm256_loadu_ps(x + g * GROUP + 8),
+                 x2 = _mm256_loadu_ps(x + g * GROUP + 16), x3 = _mm256_loadu_ps(x + g * GROUP + 24);
+    for (int r = 0; r < TILE && r < valid; ++r) {
+      __m256 w[4];
+      format.group(n0 + r, g, w);
+      acc[r] = _mm256_fmadd_ps(x3, w[3], _mm256_fmadd_ps(x2, w[2], _mm256_fmadd_ps(x1, w[1],
+               _mm256_fmadd_ps(x0, w[0], acc[r]))));
+    }
+  }
+  for (int r = 0; r < TILE && r < valid; ++r) out[r] = hsum(acc[r]) + (bias ? bias[r] : 0.f);
+}
+
+template <typename Format>
+void dequantize_tile(const Format& format, int64_t n0, int64_t valid, float* w) {
+  for (int64_t r = 0; r < TILE; ++r) {
+    for (int64_t g = 0; g < format.in / GROUP; ++g) {
+      __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      if (r < valid) format.group(n0 + r, g, part);
+      for (int p = 0; p < 4; ++p) _mm256_storeu_ps(w + r * format.in + g * GROUP + 8 * p, part[p]);
+    }
+  }
+}
+
+template <typename Format>
+at::Tensor grouped_linear(const at::Tensor& x, int64_t out_features, const std::optional<at::Tensor>& bias,
+                          const Format& format) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "grouped_linear takes float32 inputs, got ", x.scalar_type());
+  const int64_t in = x.size(-1);
+  TORCH_CHECK(in % GROUP == 0, "grouped_linear needs in_features divisible by ", GROUP, ", got ", in);
+  const at::Tensor rows = x.reshape({-1, in}).contiguous();
+  const int64_t count = rows.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  at::Tensor out = at::empty({count, out_features}, x.options());
+  const float* xs = rows.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const float* bs = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const int64_t tiles = (out_features + TILE - 1) / TILE;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (TILE * in));  // ~64k weights per task at least
+  at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
+    std::vector<float> w(count > 1 ? TILE * in : 0);
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t n0 = t * TILE, valid = std::min(TILE, out_features - n0);
+      const float* b = bs ? bs + n0 : nullptr;
+      if (count == 1) {
+        multiply_row(xs, format, n0, valid, b, os + n0);
+        continue;
+      }
+      dequantize_tile(format, n0, valid, w.data());
+      int64_t i = 0;
+      for (; i + 2 <= count; i += 2) {
+        multiply_tile<2, 4>(xs + i * in, in, w.data(), b, os + i * out_features + n0, out_features, valid);
+        multiply_tile<2, 4>(xs + i * in, in, w.data() + 4 * in, b ? b + 4 : nullptr, os + i * out_features + n0 + 4,
+                            out_features, valid - 4);
+      }
+      if (i < count) multiply_tile<1, 8>(xs + i * in, in, w.data(), b, os + i * out_features + n0, out_features, valid);
+    }
+  });
+  return out.view(shape);
+}
+
+void check_groups(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t codes_per_row) {
+  const int64_t in = x.size(-1);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == codes_per_row,
+              "codes must be a contiguous [out_features, ", codes_per_row, "] tensor for ", in, " inputs");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({codes.size(0), in / GROUP}),
+              "scales must be contiguous float32 [out_features, in_features / 32]");
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                       const std::optional<at::Tensor>& bias) {
+  const int64_t in = x.size(-1);
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "Q4_1 codes are uint8");
+  check_groups(x, codes, scales, in / 2);
+  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.is_contiguous() && mins.scalar_type() == at::kFloat,
+              "mins must match scales");
+  return grouped_linear(x, codes.size(0), bias,
+                        Q4_1{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), in});
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  const int64_t in = x.size(-1);
+  TORCH_CHECK(codes.scalar_type() == at::kChar, "Q8_0 codes are int8");
+  check_groups(x, codes, scales, in);
+  return grouped_linear(x, codes.size(0), bias, Q8_0{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), in});
+}
+
+// exp(x) for x <= 0 (Cody-Waite range reduction and a degree-6 polynomial, ~1 ulp): one function for every score.
+__m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+struct Heads {  // strided [B, H, L, D] views, D contiguous
+  const float* data;
+  int64_t batch, head, pos;
+  const float* at(int64_t b, int64_t h, int64_t p) const { return data + b * batch + h * head + p * pos; }
+};
+
+Heads heads_of(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 4 && t.stride(3) == 1,
+              "attention takes float32 [B, heads, length, head_dim] tensors with a contiguous last dimension");
+  return {t.data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// One query row of one head over its visible keys `seen` (in key order); writes dim outputs.
+void attend_row(const float* q, const Heads& k, const Heads& v, int64_t b, int64_t g, const std::vector<int64_t>& seen,
+                const std::vector<float>& bias, int64_t dim, float scale, float* out, std::vector<float>& weights) {
+  const int64_t count = static_cast<int64_t>(seen.size());
+  weights.assign((count + 7) / 8 * 8, 0.f);
+  float top = -FLT_MAX;
+  for (int64_t j = 0; j < count; ++j) {
+    const float* key = k.at(b, g, seen[j]);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), acc);
+    weights[j] = hsum(acc) * scale + bias[j];
+    top = std::max(top, weights[j]);
+  }
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; j += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(&weights[j]), _mm256_set1_ps(top)));
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - j)),
+                                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const __m256 kept = _mm256_and_ps(e, live);  // the padding past the last key weighs nothing
+    _mm256_storeu_ps(&weights[j], kept);
+    total = _mm256_add_ps(total, kept);
+  }
+  const float denominator = hsum(total);
+  for (int64_t d0 = 0; d0 < dim; d0 += 64) {  // up to 8 accumulators of 8 lanes across the head dimension
+    const int64_t width = std::min<int64_t>(64, dim - d0);
+    __m256 acc[8];
+    for (int a = 0; a < 8; ++a) acc[a] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < count; ++j) {
+      const __m256 p = _mm256_set1_ps(weights[j]);
+      const float* value = v.at(b, g, seen[j]) + d0;
+      for (int64_t a = 0; a < width / 8; ++a) acc[a] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * a), acc[a]);
+    }
+    const __m256 denom = _mm256_set1_ps(denominator);
+    for (int64_t a = 0; a < width / 8; ++a) _mm256_storeu_ps(out + d0 + 8 * a, _mm256_div_ps(acc[a], denom));
+  }
+}
+
+// query [B, H, M, D], key/value [B, Hkv, L, D] (views of a longer cache are fine), mask additive float [Bm, 1, M, >=L]
+// (a key is hidden where it is -FLT_MAX or below) or absent (causal, the M queries being the last M positions).
+// Returns [B, M, H, D].
+at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     const std::optional<at::Tensor>& mask, double scale) {
+  const Heads q = heads_of(query), k = heads_of(key), v = heads_of(value);
+  const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
+  const int64_t kv_heads = key.size(1), length = key.size(2);
+  TORCH_CHECK(dim % 8 == 0, "attention needs a head_dim divisible by 8, got ", dim);
+  TORCH_CHECK(heads % kv_heads == 0 && value.sizes() == key.sizes() && key.size(0) == batch && key.size(3) == dim,
+              "attention: query [B, H, M, D] and key/value [B, Hkv, L, D] with H a multiple of Hkv");
+  const float* bias = nullptr;
+  int64_t bias_batch = 0, bias_row = 0;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kFloat && mask->dim() == 4 && mask->size(1) == 1 &&
+                    (mask->size(0) == 1 || mask->size(0) == batch) && mask->size(2) == rows &&
+                    mask->size(3) >= length && mask->stride(3) == 1,
+                "attention: the mask must be float32 [1 or B, 1, M, >= L] with a contiguous last dimension");
+    bias = mask->data_ptr<float>();
+    bias_batch = mask->size(0) == 1 ? 0 : mask->stride(0);
+    bias_row = mask->stride(2);
+  }
+  at::Tensor out = at::empty({batch, rows, heads, dim}, query.options());
+  float* os = out.data_ptr<float>();
+  const int64_t groups = heads / kv_heads;
+  at::parallel_for(0, batch * rows * heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<int64_t> seen;
+    std::vector<float> seen_bias, weights;
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t h = task % heads, i = task / heads % rows, b = task / heads / rows;
+      seen.clear();
+      seen_bias.clear();
+      if (bias) {
+        const float* row = bias + b * bias_batch + i * bias_row;
+        for (int64_t j = 0; j < length; ++j)
+          if (row[j] > -FLT_MAX) seen.push_back(j), seen_bias.push_back(row[j]);
+      } else {
+        for (int64_t j = 0; j <= length - rows + i; ++j) seen.push_back(j), seen_bias.push_back(0.f);
+      }
+      float* o = os + ((b * rows + i) * heads + h) * dim;
+      if (seen.empty()) {
+        std::fill(o, o + dim, 0.f);
+        continue;
+      }
+      attend_row(q.at(b, h, i), k, v, b, h / groups, seen, seen_bias, dim, static_cast<float>(scale), o, weights);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(eagle_cpu, m) {
+  m.def("q4_1_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
+  m.impl("q4_1_linear", &q4_1_linear);
+  m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("attention", &attention);
+}

