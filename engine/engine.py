@@ -85,7 +85,7 @@ class Engine:
         max_memory: str | None = None,
         pack: bool = True,
         follow_load: bool = True,
-        kernels: str = "auto",
+        kernels: str = "float",
     ) -> "Engine":
         """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise.
 
@@ -95,15 +95,15 @@ class Engine:
         CPU engine.attention's attention (whatever attn says), changing the model in place. follow_load: see __init__.
         head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16; the
         head's precision never changes the output (verification decides), only how fast and how well it drafts.
-        kernels "auto" | "q4" | "float": which CPU linear layers the base model runs (engine.quant.resolve_kernels);
-        q4 runs in float32, and it is that model that plain decoding and EAGLE both decode.
+        kernels "float" | "q4": which CPU linear layers the base model runs (engine.quant.resolve_kernels); q4 runs
+        in float32, and it is that model that plain decoding and EAGLE both decode.
         """
         if head == "default":
             head = DEFAULT_HEAD if base in (None, "", DEFAULT_BASE) and DEFAULT_HEAD.exists() else None
         if head and attn == "flash_attention_2":
             raise ValueError("flash_attention_2 cannot apply the tree mask that EAGLE verification needs: "
                              "use attn='sdpa' with a draft head (flash_attention_2 serves plain decoding only)")
-        kernels = resolve_kernels(kernels, base, device, dtype, pack, quantization)
+        kernels = resolve_kernels(kernels, device, dtype, pack, quantization)
         if dtype == "auto":
             dtype = "float32" if kernels == "q4" else auto_dtype(device, quantization, pack)
         model, tokenizer = load_base(

@@ -24,7 +24,7 @@ from .gguf_tensors import BLOCK_BYTES, read_tensors
 from .models import _source, on_gpu
 
 GROUP = 32
-KERNELS = ("auto", "q4", "float")
+KERNELS = ("float", "q4")
 log = logging.getLogger(__name__)
 
 
@@ -184,20 +184,16 @@ def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str 
     return count
 
 
-def resolve_kernels(kernels: str, base: str | None, device: str, dtype: str, pack: bool, quantization: str) -> str:
-    """What Engine.load's kernels= means for this load: "q4" (QuantLinear layers), or "float" (oneDNN-packed float
-    layers, engine.packed). "auto" is q4 for a GGUF base whose groups the kernels take as they are, where they
-    build, on the CPU (measured faster there: README, "CPU kernels"), and float elsewhere; "q4" for another base
-    quantizes it (Q4_1, the LM head Q8_0), which changes the model."""
+def resolve_kernels(kernels: str, device: str, dtype: str, pack: bool, quantization: str) -> str:
+    """Check Engine.load's kernels=: "float" (oneDNN-packed float layers, engine.packed: the default) or "q4"
+    (QuantLinear layers: a GGUF base's own groups, another base quantized to Q4_1 with its LM head in Q8_0, which
+    changes the model). q4 makes a plain step faster on a CPU without native bf16 but a tree forward's rows cost
+    more than the float path's, so EAGLE gains less on it (README, "CPU kernels")."""
     if kernels not in KERNELS:
         raise ValueError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
-    if kernels == "float":
-        return kernels
-    reason = _q4_unusable(device, dtype, pack, quantization)
-    if kernels == "q4" and reason:
+    reason = _q4_unusable(device, dtype, pack, quantization) if kernels == "q4" else None
+    if reason:
         raise ValueError(f"kernels='q4' cannot run here: {reason}")
-    if kernels == "auto":
-        return "q4" if reason is None and gguf_file(base) is not None else "float"
     return kernels
 
 

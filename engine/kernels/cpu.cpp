@@ -72,7 +72,8 @@ struct Q8_0 {
 };
 
 // out[i][r] = x_i . w_r for ROWS input rows and FEATURES tile rows: one 8-lane accumulator per output, lane l summing
-// k = l, l + 8, ... in order, then hsum. Blocking changes which outputs run side by side, never an output's sums.
+// k = l, l + 8, ... in order, then hsum. Blocking changes which outputs run side by side, never an output's sums:
+// three rows at a time (12 accumulators, each weight vector loaded once for the three) where a tree has them.
 template <int ROWS, int FEATURES>
 void multiply_tile(const float* x, int64_t in, const float* w, const float* bias, float* out, int64_t out_stride,
                    int64_t valid) {
@@ -80,9 +81,11 @@ void multiply_tile(const float* x, int64_t in, const float* w, const float* bias
   for (int i = 0; i < ROWS; ++i)
     for (int r = 0; r < FEATURES; ++r) acc[i][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < in; k += 8) {
+    __m256 wv[FEATURES];
+    for (int r = 0; r < FEATURES; ++r) wv[r] = _mm256_loadu_ps(w + r * in + k);
     for (int i = 0; i < ROWS; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * in + k);
-      for (int r = 0; r < FEATURES; ++r) acc[i][r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + r * in + k), acc[i][r]);
+      for (int r = 0; r < FEATURES; ++r) acc[i][r] = _mm256_fmadd_ps(xv, wv[r], acc[i][r]);
     }
   }
   for (int i = 0; i < ROWS; ++i)
@@ -146,6 +149,11 @@ at::Tensor grouped_linear(const at::Tensor& x, int64_t out_features, const std::
       }
       dequantize_tile(format, n0, valid, w.data());
       int64_t i = 0;
+      for (; i + 3 <= count; i += 3) {
+        for (int64_t f = 0; f < TILE; f += 4)
+          multiply_tile<3, 4>(xs + i * in, in, w.data() + f * in, b ? b + f : nullptr, os + i * out_features + n0 + f,
+                              out_features, valid - f);
+      }
       for (; i + 2 <= count; i += 2) {
         multiply_tile<2, 4>(xs + i * in, in, w.data(), b, os + i * out_features + n0, out_features, valid);
         multiply_tile<2, 4>(xs + i * in, in, w.data() + 4 * in, b ? b + 4 : nullptr, os + i * out_features + n0 + 4,
@@ -221,7 +229,27 @@ void attend_row(const float* q, const Heads& k, const Heads& v, int64_t b, int64
   const int64_t count = static_cast<int64_t>(seen.size());
   weights.assign((count + 7) / 8 * 8, 0.f);
   float top = -FLT_MAX;
-  for (int64_t j = 0; j < count; ++j) {
+  int64_t j = 0;  // scores: four keys at a time, then the rest
+  // Four keys side by side, each with its own accumulator summing in dimension order (the bits of one key at a
+  // time): a single chain of dependent FMAs per key would leave the FMA units waiting on their latency.
+  for (; j + 4 <= count; j += 4) {
+    const float *k0 = k.at(b, g, seen[j]), *k1 = k.at(b, g, seen[j + 1]), *k2 = k.at(b, g, seen[j + 2]),
+                *k3 = k.at(b, g, seen[j + 3]);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+    }
+    const __m256 sums[4] = {a0, a1, a2, a3};
+    for (int t = 0; t < 4; ++t) {
+      weights[j + t] = hsum(sums[t]) * scale + bias[j + t];
+      top = std::max(top, weights[j + t]);
+    }
+  }
+  for (; j < count; ++j) {
     const float* key = k.at(b, g, seen[j]);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), acc);
