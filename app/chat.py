@@ -102,7 +102,7 @@ class ChatService:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return ("eagle", "vanilla") if self.engine.head is not None else ("vanilla",)
+        return ("eagle", "suffix", "vanilla") if self.engine.head is not None else ("vanilla", "suffix")
 
     def _count(self, rounds: int = 0, active: int = 0) -> None:
         with self._count_lock:
@@ -159,7 +159,7 @@ class ChatService:
     @staticmethod
     def _add(steps: list[Step], answer: Answer, detokenizer: TokenText, turn: TurnMeter) -> None:
         for step in steps:
-            answer.add(step.tokens, step.drafted, detokenizer)
+            answer.add(step.tokens, step.drafted, detokenizer, step.from_context)
             turn.add(step)
             if step.finish_reason:
                 answer.finish(detokenizer)

@@ -14,7 +14,7 @@ from engine import Step
 
 PLAIN_EVERY = 8  # a timed plain step every 8th round: ~2 % of an EAGLE answer's speed, a sample every ~15 tokens
 CHART_ROUNDS = 48  # rounds shown in the acceptance chart
-METHOD_NAMES = {"eagle": "EAGLE", "vanilla": "Plain decoding"}
+METHOD_NAMES = {"eagle": "EAGLE", "suffix": "Context drafting (no head)", "vanilla": "Plain decoding"}
 FINISH_NAMES = {"eos": "finished", "length": "token limit reached", "context": "context full"}
 
 

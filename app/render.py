@@ -4,7 +4,7 @@ The answer is Markdown rendered on the server (markdown-it, raw HTML off), so th
 interpreted as HTML, and provenance spans are placed *inside* the rendered text nodes: they can never cut a
 Markdown construct or a fenced code block in half. Every token gets a span titled with its index (a tooltip
 in the page), an empty one when it shows no character of its own (Markdown syntax, a byte of an unfinished
-character, a stop token), so the drafted and base spans account for each token exactly once. (`title` and
+character, a stop token), so the drafted, context and base spans account for each token exactly once. (`title` and
 `class` survive Gradio's HTML sanitizer; `data-` attributes do not.)
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from markdown_it import MarkdownIt
 from markdown_it.common.utils import escapeHtml
 from transformers import PreTrainedTokenizerBase
 
-DRAFTED, BASE = "drafted", "base"
+DRAFTED, CONTEXT, BASE = "drafted", "context", "base"  # context: a draft copied from earlier text
 _INCOMPLETE = "\ufffd"  # what decode() shows for the bytes of a character that is not finished yet
 
 
@@ -55,17 +55,26 @@ class TokenText:
 
 @dataclass
 class Answer:
-    """One streamed answer: its token ids, each token's text piece, and which came from accepted drafts."""
+    """One streamed answer: its token ids, each token's text piece, which came from accepted drafts, and which of
+    those the context drafted (engine.context) rather than the head."""
 
     ids: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     drafted: list[bool] = field(default_factory=list)
+    from_context: list[bool] = field(default_factory=list)
 
-    def add(self, tokens: list[int], drafted: list[bool], detokenizer: TokenText) -> None:
-        for token, was_drafted in zip(tokens, drafted, strict=True):
+    def add(
+        self, tokens: list[int], drafted: list[bool], detokenizer: TokenText, from_context: list[bool] | None = None
+    ) -> None:
+        for token, was_drafted, copied in zip(tokens, drafted, from_context or [False] * len(tokens), strict=True):
             self.ids.append(token)
             self.pieces.append(detokenizer.add(token))
             self.drafted.append(was_drafted)
+            self.from_context.append(copied)
+
+    def kind(self, token: int) -> str:
+        """The token's provenance class: drafted by the head, drafted from the context, or the base model's."""
+        return CONTEXT if self.from_context[token] else DRAFTED if self.drafted[token] else BASE
 
     def finish(self, detokenizer: TokenText) -> None:
         """Give bytes still held back to the last token."""
@@ -84,16 +93,15 @@ class _Provenance:
     character is found at or after the previous one's source position.
     """
 
-    def __init__(self, pieces: list[str], drafted: list[bool]):
-        self.source = "".join(pieces)
-        self.owner = [i for i, piece in enumerate(pieces) for _ in piece]
-        self.drafted = drafted
+    def __init__(self, answer: Answer):
+        self.source = answer.text
+        self.owner = [i for i, piece in enumerate(answer.pieces) for _ in piece]
+        self.answer = answer
         self.cursor = 0  # source position after the last matched character
         self.shown = 0  # tokens below this index already have a span
 
     def _span(self, token: int, text: str) -> str:
-        kind = DRAFTED if self.drafted[token] else BASE
-        return f'<span class="{kind}" title="token {token}">{escapeHtml(text)}</span>'
+        return f'<span class="{self.answer.kind(token)}" title="token {token}">{escapeHtml(text)}</span>'
 
     def _catch_up(self, token: int) -> str:
         """Empty spans for tokens before `token` that showed no character."""
@@ -120,7 +128,7 @@ class _Provenance:
         return "".join(out)
 
     def rest(self) -> str:
-        return self._catch_up(len(self.drafted)) if self.shown < len(self.drafted) else ""
+        return self._catch_up(len(self.answer.ids)) if self.shown < len(self.answer.ids) else ""
 
 
 def _wrap(env: dict, text: str) -> str:
@@ -162,9 +170,9 @@ def render_markdown(text: str, kind: str = "user") -> str:
 
 
 def render_answer(answer: Answer, provenance: bool = True) -> str:
-    """Safe HTML for an answer, with a span per token marking it drafted or base when `provenance` is on."""
+    """Safe HTML for an answer, with a span per token marking where it came from when `provenance` is on."""
     if not provenance:
         return render_markdown(answer.text, "answer")
-    spans = _Provenance(answer.pieces, answer.drafted)
+    spans = _Provenance(answer)
     body = _MD.render(answer.text, {"provenance": spans})
     return f'<div class="eagle-msg eagle-answer">{body}{spans.rest()}</div>'

@@ -29,12 +29,16 @@ ENGINE_EVENTS = dict(concurrency_id="engine", concurrency_limit=1)
 QUICK_EVENTS = dict(concurrency_limit=None, show_progress="hidden")
 LEGEND = (
     '<div class="legend"><span class="drafted">drafted by EAGLE and accepted</span>'
+    '<span class="context">drafted from earlier text and accepted</span>'
     '<span class="base">produced by the base model itself</span></div>'
 )
 FINISH_NOTES = {
     "length": "Stopped at the token limit (see Settings).", "context": "Stopped: the context window is full."
 }
-INTEGER_OPTIONS = {name: int for name in ("max_new_tokens", "total_tokens", "depth", "draft_top_k", "top_k", "seed")}
+OPTION_TYPES = {  # what each settings control's value becomes (the rest are floats)
+    **dict.fromkeys(("max_new_tokens", "total_tokens", "depth", "draft_top_k", "top_k", "seed"), int),
+    "method": str, "context": bool,
+}
 NO_HEAD = "⚠ No draft head is loaded, so there is no EAGLE answer to compare (start the app with --head)."
 
 
@@ -60,8 +64,7 @@ class Handlers:
     def params(self, **options) -> DecodeParams:
         """The settings controls' values as DecodeParams, the answer length capped at the app's --max-new-tokens;
         EAGLE answers time a plain step every PLAIN_EVERY rounds for the meter (app/meter.py)."""
-        typed = {name: INTEGER_OPTIONS.get(name, float)(value) if name != "method" else value
-                 for name, value in options.items()}
+        typed = {name: OPTION_TYPES.get(name, float)(value) for name, value in options.items()}
         typed["max_new_tokens"] = max(1, min(typed.get("max_new_tokens", self.max_new_tokens), self.max_new_tokens))
         return DecodeParams(plain_every=PLAIN_EVERY).with_options(**typed)
 
@@ -292,6 +295,8 @@ def _side_panel(handlers: Handlers) -> SidePanel:
             "total_tokens": gr.Slider(2, 96, value=tree.total_tokens, step=1, label="Tree size",
                                       info="tokens verified per round (root included)"),
             "depth": gr.Slider(1, 10, value=tree.depth, step=1, label="Tree depth"),
+            "context": gr.Checkbox(value=True, label="EAGLE drafts from the context too", elem_id="context",
+                                   info="continuations of earlier text join the head's tree"),
         }
         provenance = gr.Checkbox(value=True, label="Colour drafted tokens", elem_id="provenance")
     return SidePanel(meter, status, provenance, controls)

@@ -1,4 +1,5 @@
-"""The context index: what followed the longest earlier match of the text's end, for drafting without a head.
+"""The context index: what followed the longest earlier match of the text's end, for drafting without a head,
+and the policy (ContextDraft) that turns its continuations into a round's draft chains.
 
 Much of what a chat model writes is already in its context (code being edited, names and numbers being
 extracted, a sentence it repeats). A suffix automaton over the prompt and the generated tokens finds, after every
@@ -116,3 +117,30 @@ class ContextIndex:
             self._count[state] += 1
             self._end[state] = position
             state = self._link[state]
+
+
+@dataclass(frozen=True)
+class ContextDraft:
+    """Which continuations of the context a round drafts: chains under the tree's root, the longest match's
+    continuation first and the others at half its length. A longer match earns a longer chain: on the shipped
+    model's MT-bench answers the first continued token was right 22 % of the time after a 1-token match, 60 %
+    after 3 and 93 % after 8 or more, and the accepted length grew about as fast as the match (README, "Drafting
+    from the context").
+    """
+
+    tokens_per_match: float = 2.0  # chain length per matched token
+    max_tokens: int = 16  # the longest chain, whatever the match
+    branches: int = 2  # distinct continuations drafted (one chain each)
+    min_match: int = 1  # shorter matches draft nothing
+
+    def __post_init__(self):
+        if self.tokens_per_match <= 0 or self.max_tokens < 1 or self.branches < 1 or self.min_match < 1:
+            raise ValueError("context drafting needs tokens_per_match > 0 and max_tokens, branches, min_match >= 1")
+
+    def chains(self, index: ContextIndex) -> list[list[int]]:
+        """This round's chains, most trusted first; none when the text's end matches nothing long enough."""
+        found = index.continuations(self.max_tokens, self.branches)
+        if not found or found[0].match_length < self.min_match:
+            return []
+        length = min(self.max_tokens, max(1, round(self.tokens_per_match * found[0].match_length)))
+        return [found[0].tokens[:length]] + [c.tokens[: max(1, length // 2)] for c in found[1:]]

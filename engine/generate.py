@@ -1,25 +1,27 @@
 """The decoding loop: a prefill, then one round per base-model forward, each yielding a Step.
 
-A speculative round hands typed values from phase to phase: the drafter proposes a DraftTree, the base model
-scores it in one forward (Verification), acceptance picks a path (Acceptance), and commit keeps that path in the
-base cache and feeds its features to the drafter, so the next round starts from a clean state. A plain step (all
+A speculative round hands typed values from phase to phase: the drafter proposes a DraftTree (the head's, with the
+context's chains grafted on: `draft`), the base model scores it in one forward (Verification), acceptance picks
+a path (Acceptance), and commit keeps that path in the base cache and feeds its features to the drafter and its
+tokens to the context index, so the next round starts from a clean state. A plain step (all
 `vanilla` does, and what any method falls back to near the context limit) is one forward for one token.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 from transformers import Cache
 
 from .cache import keep_path
+from .context import ContextIndex
 from .draft.drafter import Drafter
 from .params import DecodeParams
 from .target import Target
-from .tree import DraftTree, TreeSpec
+from .tree import DraftTree, graft
 from .verify import Sampling, accept_greedy, accept_sampling
 
 
@@ -39,6 +41,10 @@ class Step:
     tree_size: int = 0  # drafted nodes the base model verified this round (0 for prefill and plain steps)
     finish_reason: str | None = None  # "eos", "length", "context" on the last step
     kind: str = "speculative"  # "prefill", "speculative" (a drafted tree verified) or "plain" (one token)
+    from_context: list[bool] = field(default_factory=list)  # per token: drafted from the context, not by the head
+
+    def __post_init__(self):
+        self.from_context = self.from_context or [False] * len(self.tokens)
 
     @property
     def accepted(self) -> int:
@@ -53,6 +59,7 @@ class Sequence:
     cache: Cache
     root: int = -1  # the last token produced: the next tree's root, not yet in the base cache
     produced: int = 0  # tokens yielded so far
+    context: ContextIndex | None = None  # the prompt and every token produced, when drafting from them
 
     @property
     def cached(self) -> int:
@@ -93,7 +100,7 @@ def prefill(
     target: Target, drafter: Drafter | None, prompt_ids: list[int], seq: Sequence, sampling: Sampling,
     generator: torch.Generator | None,
 ) -> Step:
-    """The prompt in one forward: the first token, and the drafter's cache over the prompt."""
+    """The prompt in one forward: the first token, and the drafter's cache and the context index over the prompt."""
     start = time.perf_counter()
     prompt = torch.tensor(prompt_ids)
     hidden, features = target.forward(prompt, seq.cache)
@@ -102,6 +109,8 @@ def prefill(
     if drafter is not None:
         drafter.reset()
         drafter.commit(features, torch.cat([prompt[1:], torch.tensor([seq.root])]))
+    if seq.context is not None:
+        seq.context.extend(prompt_ids + [seq.root])
     return Step([seq.root], [False], verify_s=verified - start, draft_s=time.perf_counter() - verified, kind="prefill")
 
 
@@ -109,14 +118,26 @@ def plain_step(
     target: Target, seq: Sequence, sampling: Sampling, generator: torch.Generator | None,
     drafter: Drafter | None = None,
 ) -> Step:
-    """One base forward for one token: plain decoding. A drafter that will draft again is fed the new slot."""
+    """One base forward for one token: plain decoding. A drafter that will draft again is fed the new slot, the
+    context index the new token."""
     start = time.perf_counter()
     hidden, features = target.forward(torch.tensor([seq.root]), seq.cache)
     seq.root = sampling.pick(target.logits(hidden[-1]), generator)
     verified = time.perf_counter()
     if drafter is not None:
         drafter.commit(features, torch.tensor([seq.root]))
+    if seq.context is not None:
+        seq.context.extend([seq.root])
     return Step([seq.root], [False], verify_s=verified - start, draft_s=time.perf_counter() - verified, kind="plain")
+
+
+def draft(drafter: Drafter | None, seq: Sequence, params: DecodeParams) -> DraftTree:
+    """The round's tree: the context's chains under the root and the head's tree in the budget they leave
+    (params.tree.beside); either may be missing: no head (method suffix), no match, context drafting off."""
+    chains = params.context.chains(seq.context) if seq.context is not None else []
+    head_tree = params.tree.beside(sum(map(len, chains))) if drafter is not None else None
+    tree = drafter.propose(seq.root, head_tree) if head_tree is not None else DraftTree.bare(seq.root)
+    return graft(tree, chains)
 
 
 def verify(target: Target, tree: DraftTree, seq: Sequence) -> Verification:
@@ -136,32 +157,37 @@ def accept(verification: Verification, sampling: Sampling, generator: torch.Gene
     return Acceptance(*accept_sampling(verification.tree, verification.logits, sampling, generator))
 
 
-def commit(seq: Sequence, drafter: Drafter, verification: Verification, acceptance: Acceptance) -> list[int]:
-    """Keep the accepted path in the base cache and give its features to the drafter; returns the new tokens."""
+def commit(
+    seq: Sequence, drafter: Drafter | None, verification: Verification, acceptance: Acceptance
+) -> list[int]:
+    """Keep the accepted path in the base cache, give its features to the drafter and its tokens to the context
+    index; returns the new tokens."""
     path = torch.tensor(acceptance.path)
     keep_path(seq.cache, seq.cached, path)
     tokens = acceptance.tokens(verification.tree)
-    features = verification.features[path.to(verification.features.device, non_blocking=True)]
-    drafter.commit(features, torch.tensor(tokens))
+    if drafter is not None:
+        features = verification.features[path.to(verification.features.device, non_blocking=True)]
+        drafter.commit(features, torch.tensor(tokens))
+    if seq.context is not None:
+        seq.context.extend(tokens)
     seq.root = acceptance.bonus
     return tokens
 
 
 def speculative_round(
-    target: Target, drafter: Drafter, seq: Sequence, tree_spec: TreeSpec, sampling: Sampling,
-    generator: torch.Generator | None,
+    target: Target, drafter: Drafter | None, seq: Sequence, params: DecodeParams, generator: torch.Generator | None
 ) -> Step:
     """Draft a tree from the root, verify it, accept a path, commit it."""
     start = time.perf_counter()
-    tree = drafter.propose(seq.root, tree_spec)
+    tree = draft(drafter, seq, params)
     drafted = time.perf_counter()
     verification = verify(target, tree, seq)
-    acceptance = accept(verification, sampling, generator)
+    acceptance = accept(verification, params.sampling, generator)
     committing = time.perf_counter()
     tokens = commit(seq, drafter, verification, acceptance)
     draft_s = (drafted - start) + (time.perf_counter() - committing)  # the drafter's catch-up is drafting work
     return Step(tokens, [True] * (len(tokens) - 1) + [False], draft_s=draft_s, verify_s=verification.seconds,
-                tree_size=len(tree) - 1)
+                tree_size=len(tree) - 1, from_context=tree.from_context[acceptance.path[1:]].tolist() + [False])
 
 
 def finish(step: Step, seq: Sequence, params: DecodeParams, stop_ids: set[int], max_context: int) -> Step:
@@ -169,7 +195,8 @@ def finish(step: Step, seq: Sequence, params: DecodeParams, stop_ids: set[int], 
     for i, token in enumerate(step.tokens):
         if token in stop_ids or seq.produced + i + 1 >= params.max_new_tokens:
             step.finish_reason = "eos" if token in stop_ids else "length"
-            step.tokens, step.drafted = step.tokens[: i + 1], step.drafted[: i + 1]
+            step.tokens, step.drafted, step.from_context = (
+                step.tokens[: i + 1], step.drafted[: i + 1], step.from_context[: i + 1])
             break
     seq.produced += len(step.tokens)
     if step.finish_reason is None and seq.prompt_len + seq.produced >= max_context:
@@ -185,7 +212,7 @@ def decode(
     check_prompt(prompt_ids, target.max_context)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     stops, sampling = set(stop_ids), params.sampling
-    seq = Sequence(len(prompt_ids), target.new_cache())
+    seq = Sequence(len(prompt_ids), target.new_cache(), context=ContextIndex() if params.drafts_from_context else None)
     start = time.perf_counter()
     step = prefill(target, drafter, prompt_ids, seq, sampling, generator)
     for index in itertools.count():
@@ -196,8 +223,9 @@ def decode(
             return
         start = time.perf_counter()
         # Near the context limit a tree no longer fits: finish with plain steps (the cache only grows from here).
-        drafting = drafter is not None and seq.cached + params.tree.max_levels + 1 <= target.max_context
+        drafts = drafter is not None or seq.context is not None
+        drafting = drafts and seq.cached + params.max_levels + 1 <= target.max_context
         if drafting and not params.plain_round(index):
-            step = speculative_round(target, drafter, seq, params.tree, sampling, generator)
+            step = speculative_round(target, drafter, seq, params, generator)
         else:
             step = plain_step(target, seq, sampling, generator, drafter if drafting else None)

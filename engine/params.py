@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from .context import ContextDraft
 from .tree import TREES, DynamicTree, TreeSpec
 from .verify import Sampling
 
-METHODS = ("vanilla", "eagle")
+METHODS = ("vanilla", "eagle", "suffix")
 _SAMPLING_OPTIONS = ("temperature", "top_p", "top_k")
 _DYNAMIC_TREE_OPTIONS = {"total_tokens": "total_tokens", "depth": "depth", "draft_top_k": "top_k"}
 
@@ -16,10 +17,13 @@ _DYNAMIC_TREE_OPTIONS = {"total_tokens": "total_tokens", "depth": "depth", "draf
 class DecodeParams:
     """How to answer one request: the method, the answer's length, how to pick tokens, which tree to draft."""
 
-    method: str = "eagle"  # "vanilla": no drafting, one base forward per token (the honest baseline)
+    # "vanilla": no drafting, one base forward per token (the honest baseline); "eagle": the head's tree, with the
+    # context's chains grafted on unless context is None; "suffix": the context's chains alone (no head needed)
+    method: str = "eagle"
     max_new_tokens: int = 256
     sampling: Sampling = field(default_factory=Sampling)
     tree: TreeSpec = field(default_factory=DynamicTree)
+    context: ContextDraft | None = field(default_factory=ContextDraft)  # None: no drafting from the context
     seed: int | None = None
     # Every n-th round of a speculative method is a plain step instead (0: never), timed like plain decoding under
     # the turn's own conditions: the app's speedup meter divides by it. The output does not change (a plain step
@@ -33,6 +37,18 @@ class DecodeParams:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.plain_every < 0:
             raise ValueError(f"plain_every must be >= 0 (0 = never), got {self.plain_every}")
+        if self.method == "suffix" and self.context is None:
+            raise ValueError("method 'suffix' drafts from the context: it cannot run with context drafting off")
+
+    @property
+    def drafts_from_context(self) -> bool:
+        return self.context is not None and self.method != "vanilla"
+
+    @property
+    def max_levels(self) -> int:
+        """Deepest drafted level a round's tree can have: the head's tree or the context's longest chain."""
+        head = self.tree.max_levels if self.method == "eagle" else 0
+        return max(head, self.context.max_tokens if self.drafts_from_context else 0)
 
     def plain_round(self, index: int) -> bool:
         """Whether decoding round `index` (0 = the first after the prefill) is a timed plain step: rounds 1, n + 1,
@@ -42,7 +58,8 @@ class DecodeParams:
     def with_options(self, **options) -> DecodeParams:
         """A copy with flat options changed, the shape command-line flags, UI controls and API fields arrive in:
         temperature, top_p, top_k (sampling); tree ("dynamic" or "static"); total_tokens, depth, draft_top_k (the
-        dynamic tree); and this class's own fields."""
+        dynamic tree); context (True or False: draft from the context, or a ContextDraft); and this class's own
+        fields."""
         sampling = {name: options.pop(name) for name in _SAMPLING_OPTIONS if name in options}
         shape = {key: options.pop(name) for name, key in _DYNAMIC_TREE_OPTIONS.items() if name in options}
         tree = options.pop("tree", self.tree)
@@ -54,6 +71,8 @@ class DecodeParams:
             if not isinstance(tree, DynamicTree):
                 raise ValueError(f"{', '.join(shape)} shape the dynamic tree; a static tree has fixed paths")
             tree = replace(tree, **shape)
+        if isinstance(options.get("context"), bool):
+            options["context"] = (self.context or ContextDraft()) if options["context"] else None
         unknown = sorted(set(options) - {f.name for f in fields(self)})
         if unknown:
             known = [f.name for f in fields(self) if f.name != "sampling"] + [*_SAMPLING_OPTIONS, *_DYNAMIC_TREE_OPTIONS]

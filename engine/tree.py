@@ -1,9 +1,9 @@
 """Draft trees: EAGLE-2's dynamic tree and EAGLE-1's static trees, as flat node lists (root first, parents
-before children) with the ancestor mask and depths that verification needs, and the specifications
-(`DynamicTree`, `StaticTree`) that say which tree a round grows."""
+before children) with the ancestor mask and depths that verification needs, the specifications
+(`DynamicTree`, `StaticTree`) that say which tree a round grows, and the grafting of the context's chains."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, Union
 
 import torch
@@ -20,12 +20,21 @@ MC_SIM_7B_63 = [
 class DraftTree:
     tokens: torch.Tensor  # [N] base-vocabulary ids; node 0 is the root (the last token the base model produced)
     parents: torch.Tensor  # [N] parent node index, -1 for the root
+    # [N] bool: the node was drafted from the context, not by the head (provenance only: verification ignores it)
+    from_context: torch.Tensor | None = None
 
     def __post_init__(self):
         depths = [0] * len(self.parents)
         for i, p in enumerate(self.parents.tolist()[1:], start=1):
             depths[i] = depths[p] + 1
         self.depths = torch.tensor(depths, dtype=torch.long)
+        if self.from_context is None:
+            self.from_context = torch.zeros(len(self.tokens), dtype=torch.bool)
+
+    @classmethod
+    def bare(cls, root: int) -> DraftTree:
+        """The root alone: what a round has before any draft."""
+        return cls(tokens=torch.tensor([root]), parents=torch.tensor([-1]))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -183,6 +192,14 @@ class DynamicTree:
     def grow(self, expander: Expander, root: int, root_hidden: torch.Tensor) -> DraftTree:
         return grow_dynamic(expander, root, root_hidden, self.top_k, self.depth, self.total_tokens)
 
+    def beside(self, context_nodes: int) -> DynamicTree | None:
+        """The head's share of the round when the context's chains take `context_nodes` of its total_tokens - 1
+        drafts: the rest, or None when they take it all (a long match's chain may exceed the budget: that round is
+        the context's alone, and the head's drafting time is saved). Chosen by measurement (README, "Drafting from
+        the context")."""
+        left = self.total_tokens - context_nodes
+        return replace(self, total_tokens=left) if left >= 2 else None
+
 
 @dataclass(frozen=True)
 class StaticTree:
@@ -202,6 +219,28 @@ class StaticTree:
 
     def grow(self, expander: Expander, root: int, root_hidden: torch.Tensor) -> DraftTree:
         return grow_static(expander, root, root_hidden, [list(p) for p in self.paths])
+
+    def beside(self, context_nodes: int) -> StaticTree:
+        """A fixed shape has no budget to share: the context's chains are grafted on top of it."""
+        return self
+
+
+def graft(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
+    """The tree with token chains added under its root. A chain follows the tree's nodes while their tokens agree
+    and continues with new nodes, marked from_context, where they part: siblings never repeat a token, and new
+    nodes come after the old ones, so parents still precede children."""
+    tokens, parents, from_context = tree.tokens.tolist(), tree.parents.tolist(), tree.from_context.tolist()
+    child = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens)) if node > 0}
+    for chain in chains:
+        node = 0
+        for token in chain:
+            if (node, token) not in child:
+                child[node, token] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+                from_context.append(True)
+            node = child[node, token]
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(from_context))
 
 
 TreeSpec = Union[DynamicTree, StaticTree]

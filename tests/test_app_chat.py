@@ -40,7 +40,16 @@ def handlers(service) -> Handlers:
 def settings(**changes) -> dict:
     """The settings controls' values, by the names the page passes them under."""
     return {"method": "eagle", "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12, "total_tokens": 8, "depth": 3,
-            **changes}
+            "context": True, **changes}
+
+
+def test_the_settings_reach_the_decode_parameters(handlers):
+    params = handlers.params(**settings(temperature=0.7, total_tokens=12.0))
+    assert params.method == "eagle" and params.sampling.temperature == 0.7 and params.tree.total_tokens == 12
+    assert params.context is not None and params.plain_every > 0
+    assert handlers.params(**settings(context=False)).context is None
+    assert handlers.params(**settings(method="suffix")).method == "suffix"
+    assert handlers.service.methods == ("eagle", "suffix", "vanilla")
 
 
 def ask(handlers: Handlers, conversation: Conversation, text: str, **changes) -> list[tuple]:
@@ -59,6 +68,7 @@ def test_stream_gives_every_token_and_the_latest_state(engine, service):
     assert rounds == sorted(set(rounds)), "each update shows a later state than the one before"
     answer, turn = list(service.stream(ids, params))[-1]
     assert answer.drafted == [d for s in expected for d in s.drafted]
+    assert answer.from_context == [c for s in expected for c in s.from_context]
     assert answer.text == engine.tokenizer.decode(answer.ids, skip_special_tokens=True)
     assert turn.finish_reason in ("eos", "length")
 

@@ -206,10 +206,11 @@ def test_malformed_question_line_is_named(assets, tmp_path, capsys):
 
 def test_verification_curve_times_each_tree_size(assets, capsys):
     report = main(["--base", str(assets / "base"), "--head", "none", "--questions", str(assets / "questions.jsonl"),
-                   "--verify-curve", "1,4,12"])
+                   "--verify-curve", "1,4,12", "--verify-cache", "20,60"])
     rows = report["verification_curve"]
-    assert [r["tree_tokens"] for r in rows] == [1, 4, 12]
-    assert rows[0]["ratio"] == 1.0 and all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)
+    assert [(r["cache_tokens"], r["tree_tokens"]) for r in rows] == [(20, 1), (20, 4), (20, 12), (60, 1), (60, 4),
+                                                                     (60, 12)]
+    assert rows[0]["ratio"] == rows[3]["ratio"] == 1.0 and all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)
     assert "x one-token step" in capsys.readouterr().out
 
 
@@ -217,3 +218,6 @@ def test_bad_curve_sizes_are_refused(assets, capsys):
     with pytest.raises(SystemExit):
         main(["--questions", str(assets / "questions.jsonl"), "--verify-curve", "1,eight"])
     assert "comma-separated tree sizes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--questions", str(assets / "questions.jsonl"), "--verify-curve", "1,8", "--verify-cache", "0"])
+    assert "--verify-cache: every value must be at least 1" in capsys.readouterr().err

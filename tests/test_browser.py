@@ -70,6 +70,22 @@ def test_answer_streams_with_drafted_tokens_and_the_meter_shows_speed(page):
     assert "<span" not in last_answer_text(page)  # markup is rendered, not shown as text
 
 
+def test_tokens_drafted_from_the_context_have_their_own_colour(page):
+    """An answer that copies its prompt: EAGLE's context chains are accepted, shown blue (class "context") beside
+    the head's green drafts, and the legend says what the colour means; with the setting off, none are."""
+    set_number(page, "max-new-tokens", 40)
+    before = send(page, "Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape.")
+    wait_for_answer(page, before, timeout_s=120)
+    assert page.locator("#chat div.eagle-answer span.context").count() >= 5
+    assert page.locator(".legend span.context").inner_text().startswith("drafted from earlier text")
+    page.click("#clear")
+    page.get_by_label("EAGLE drafts from the context too", exact=True).uncheck()
+    before = send(page, "Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape.")
+    wait_for_answer(page, before, timeout_s=120)
+    assert page.locator("#chat div.eagle-answer span.context").count() == 0
+    assert page.locator("#chat div.eagle-answer span.drafted").count() > 0
+
+
 def test_the_meter_compares_against_plain_decoding_timed_in_the_same_answer(page):
     """The same prompt, plain decoding then EAGLE, a fresh chat each: the EAGLE turn's × agrees with the ratio
     of the two turns' speeds (within 25 %), and the plain turn shows 1.00×."""

@@ -79,7 +79,7 @@ def test_greedy_accepts_whole_oracle_chains_and_stays_lossless(shape, levels, pr
     engine = tiny_engine(shape, None)
     vanilla = tokens_of(decode(engine.target, None, prompt, DecodeParams(method="vanilla", max_new_tokens=NEW_TOKENS)))
     drafter = OracleDrafter(prompt, continuation_of(prompt + vanilla))
-    params = DecodeParams(max_new_tokens=NEW_TOKENS, tree=DynamicTree(depth=levels - 1))
+    params = DecodeParams(max_new_tokens=NEW_TOKENS, tree=DynamicTree(depth=levels - 1), context=None)  # oracle only
     steps = list(decode(engine.target, drafter, prompt, params))
     assert tokens_of(steps) == vanilla
     rounds = steps[1:-1]  # after the prefill; the last round may be cut at max_new_tokens

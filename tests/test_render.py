@@ -66,7 +66,8 @@ def parse(html: str) -> Spans:
 
 def answer_of(pieces: list[str], drafted: list[bool] | None = None) -> Answer:
     drafted = drafted if drafted is not None else [i % 3 != 2 for i in range(len(pieces))]
-    return Answer(ids=list(range(len(pieces))), pieces=list(pieces), drafted=drafted)
+    from_context = [d and i % 5 == 0 for i, d in enumerate(drafted)]
+    return Answer(ids=list(range(len(pieces))), pieces=list(pieces), drafted=drafted, from_context=from_context)
 
 
 def subsequence(part: str, whole: str) -> bool:
@@ -85,7 +86,7 @@ def check_accounting(answer: Answer) -> Spans:
         assert subsequence(span["text"], answer.pieces[token]), (span, answer.pieces[token])
     assert sorted(classes) == list(range(len(answer.pieces))), "some token has no span"
     for token, kinds in classes.items():
-        assert kinds == {"drafted" if answer.drafted[token] else "base"}, (token, kinds)
+        assert kinds == {answer.kind(token)}, (token, kinds)
     assert not page.outside.strip(), f"text outside any span: {page.outside!r}"
     plain = parse(render_answer(answer, provenance=False))
     assert page.text == plain.text and not plain.spans
@@ -181,6 +182,21 @@ def test_every_prefix_of_a_stream_renders_well_formed(tokenizer):
     full = stream(tokenizer, MARKDOWN_TEXT)
     for n in range(1, len(full.ids) + 1, 2):
         check_accounting(answer_of(full.pieces[:n], full.drafted[:n]))
+
+
+def test_context_drafted_tokens_get_their_own_class(tokenizer):
+    ids = tokenizer.encode("Copy: alpha beta gamma. Copy: alpha beta gamma.")
+    drafted = [i % 2 == 1 for i in range(len(ids))]
+    from_context = [d and i > len(ids) // 2 for i, d in enumerate(drafted)]
+    answer, detokenizer = Answer(), TokenText(tokenizer)
+    answer.add(ids, drafted, detokenizer, from_context)
+    answer.finish(detokenizer)
+    page = check_accounting(answer)
+    kinds = {int(s["title"].split()[1]): s["class"] for s in page.spans}
+    assert {t for t, k in kinds.items() if k == "context"} == {i for i, c in enumerate(from_context) if c} != set()
+    assert {t for t, k in kinds.items() if k == "drafted"} == {i for i, d in enumerate(drafted) if d and not from_context[i]}
+    with pytest.raises(ValueError):  # one flag per token, as for drafted
+        Answer().add(ids[:2], [True, True], TokenText(tokenizer), [True])
 
 
 def test_user_messages_are_escaped_markdown():

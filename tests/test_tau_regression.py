@@ -1,6 +1,7 @@
 """Draft quality on the embedded SmolLM2-135M-Instruct with the shipped heads. A drafting bug leaves greedy output
 exactly right and only lowers τ (new tokens per round), so τ on fixed prompts and token counts is held to its
-measured value, for both head kinds and both tree kinds.
+measured value, for both head kinds and both tree kinds with the head alone, and for drafting from the context
+(engine/context.py) with the EAGLE-3 head and alone (method suffix).
 
 float32 base and heads on purpose: greedy tokens, hence τ, are then the same on any CPU up to rare near-ties, which
 the margin covers. When a head, a tree default or the prompts change, re-measure: run this file and put the
@@ -18,10 +19,17 @@ PROMPTS = [
     "Write a short poem about the sea.",
     "Give me three tips for learning a new language.",
 ]
+# Answers that quote their prompt: where drafting from the context matters, so the "+context" rows measure it.
+QUOTING = [
+    "Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape.",
+    "Rewrite in the past tense: The cat sits on the mat and watches the birds in the garden.",
+]
 NEW_TOKENS = 48
-# τ measured on this file's prompts (float32, 2-core AMD EPYC, 2026-12-01) with the shipped heads and default trees.
+# τ measured on this file's prompts (float32, 2-core AMD EPYC, 2026-12-01) with the shipped heads and default trees;
+# "+context" keeps the default context drafting and adds the QUOTING prompts, the others turn it off, "suffix" has no
+# head.
 MEASURED = {("eagle3", "dynamic"): 2.10, ("eagle3", "static"): 2.35, ("eagle1", "dynamic"): 1.74,
-            ("eagle1", "static"): 1.76}
+            ("eagle1", "static"): 1.76, ("eagle3", "dynamic+context"): 2.26, ("suffix", "dynamic+context"): 1.31}
 MARGIN = 0.04  # issue #19 measured real drafting bugs at -8 % (wrong drafter features) to -25 % (static ranks)
 
 
@@ -37,9 +45,12 @@ def engines():
 
 @pytest.mark.parametrize("kind,tree", list(MEASURED), ids=[f"{k}-{t}" for k, t in MEASURED])
 def test_tau_stays_at_its_measured_value(engines, kind, tree):
-    engine, params = engines[kind], DecodeParams().with_options(max_new_tokens=NEW_TOKENS, tree=tree)
+    shape, context = tree.removesuffix("+context"), tree.endswith("+context")
+    method = "suffix" if kind == "suffix" else "eagle"
+    params = DecodeParams().with_options(method=method, max_new_tokens=NEW_TOKENS, tree=shape, context=context)
+    engine = engines["eagle3" if kind == "suffix" else kind]
     produced = rounds = 0
-    for text in PROMPTS:
+    for text in PROMPTS + (QUOTING if context else []):
         steps = list(engine.generate(engine.encode_chat([{"role": "user", "content": text}]), params))
         produced, rounds = produced + len(tokens_of(steps)) - 1, rounds + len(steps) - 1
     tau, measured = produced / rounds, MEASURED[kind, tree]

@@ -2,7 +2,10 @@
 
 Methods:
   vanilla  the engine without drafting, one base forward per token: the honest baseline
-  eagle    the engine with its draft head (EAGLE trees, lossless verification)
+  eagle    the engine with its draft head (EAGLE trees, lossless verification), the context's continuations
+           grafted on (--no-suffix: the head alone)
+  suffix   the engine drafting from the context alone (what followed the longest earlier match of the text's end,
+           engine/context.py): no head needed
   hf       transformers `generate` on the same model, as transformers runs it (stock layers, SDPA attention), in
            the engine's dtype or --hf-dtype's (say float32, transformers' fastest on a CPU where the engine runs bf16)
   hf-pld   transformers prompt lookup decoding (prompt_lookup_num_tokens=10)
@@ -58,8 +61,9 @@ from .llamacpp import LlamaCpp, decode_tokens_per_s
 from .report import add_speedups, exactness_warnings, plot, print_table, summarize
 from .runs import SHARED_QUESTIONS, Run, first_turn_prompts, load_questions, run_engine, run_hf
 
-METHODS = ("vanilla", "eagle", "hf", "hf-pld")
+METHODS = ("vanilla", "eagle", "suffix", "hf", "hf-pld")
 PEERS = ("llama.cpp",)  # other runners, from optional packages (requirements-bench.txt): only when asked for
+ENGINE_METHODS = ("vanilla", "eagle", "suffix")
 WARMUP_TOKENS = 8
 
 
@@ -72,6 +76,7 @@ class Setup:
     questions: list[dict]
     params: DecodeParams
     curve_sizes: list[int] | None
+    curve_cache: list[int]  # cached tokens under each --verify-curve measurement
 
 
 def parse_methods(text: str) -> list[str]:
@@ -98,13 +103,13 @@ def parse_compare_heads(specs: list[str]) -> dict[str, str]:
     return heads
 
 
-def parse_sizes(text: str) -> list[int]:
+def parse_sizes(text: str, flag: str = "--verify-curve", what: str = "tree sizes such as 1,8,16") -> list[int]:
     try:
         sizes = [int(size) for size in text.split(",")]
     except ValueError:
-        raise ValueError(f"--verify-curve takes comma-separated tree sizes such as 1,8,16; got {text!r}") from None
+        raise ValueError(f"{flag} takes comma-separated {what}; got {text!r}") from None
     if not sizes or min(sizes) < 1:
-        raise ValueError(f"tree sizes must be at least 1; got {text!r}")
+        raise ValueError(f"{flag}: every value must be at least 1; got {text!r}")
     return sizes
 
 
@@ -113,15 +118,15 @@ def decode_params(args: argparse.Namespace) -> DecodeParams:
     tree_options = {name: getattr(args, name) for name in ("total_tokens", "depth", "draft_top_k")
                     if getattr(args, name) is not None}
     return DecodeParams().with_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                       seed=args.seed, tree=args.tree, **tree_options)
+                                       seed=args.seed, tree=args.tree, context=args.context, **tree_options)
 
 
 def run_method(engines: dict[str, Engine], hf_model: PreTrainedModel, method: str, prompt: list[int],
                params: DecodeParams, llama: LlamaCpp | None = None) -> Run:
-    """engines: the main engine under "vanilla" and "eagle", and one per --compare-head name."""
+    """engines: the main engine under each engine method's name, and one per --compare-head name."""
     if method in engines:
-        return run_engine(engines[method], prompt, params.with_options(method="vanilla" if method == "vanilla"
-                                                                        else "eagle"))
+        return run_engine(engines[method], prompt,
+                          params.with_options(method=method if method in ENGINE_METHODS else "eagle"))
     if method == "llama.cpp":
         return llama.run(prompt, params)
     return run_hf(engines["vanilla"], hf_model, prompt, params, lookup=method == "hf-pld")
@@ -155,14 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--total-tokens", type=int, help=f"dynamic tree nodes incl. root (default {tree.total_tokens})")
     add("--depth", type=int, help=f"dynamic tree expansion steps (default {tree.depth})")
     add("--draft-top-k", type=int, help=f"children per expanded node (default {tree.top_k})")
-    add("--kernels", default="auto", choices=list(KERNELS),
-        help="the engine's CPU linear layers: q4 = the GGUF's 4-bit groups as they are (engine/quant.py), float = "
-             "oneDNN-packed float weights; auto = q4 for a GGUF base where engine/kernels build")
+    add("--no-suffix", dest="context", action="store_false",
+        help="eagle drafts with the head alone, without the context's continuations")
+    add("--kernels", default="float", choices=list(KERNELS),
+        help="the engine's CPU linear layers: float = oneDNN-packed float weights (default), q4 = the GGUF's 4-bit "
+             "groups as they are (engine/quant.py, engine/kernels)")
     add("--no-pack", dest="pack", action="store_false",
         help="keep the engine's CPU linear layers as transformers has them (no oneDNN packing)")
     add("--verify-curve", default=None, metavar="SIZES",
         help="instead of the methods: time one verification forward of each comma-separated tree size (1 = a plain "
-             "step) over a 300-token cache, and print the curve")
+             "step) over a filled cache (--verify-cache), and print the curve")
+    add("--verify-cache", default="300", metavar="TOKENS",
+        help="with --verify-curve: comma-separated cache lengths to measure the curve over (default 300)")
     add("--fixed-threads", dest="follow_load", action="store_false",
         help="keep torch's thread count fixed instead of giving threads up to busy processes (engine/threads.py)")
     add("--busy", type=int, default=0, metavar="N",
@@ -176,20 +185,23 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> Setup:
     if args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    if not args.context and "suffix" in parse_methods(args.methods):
+        raise ValueError("--no-suffix turns off the context drafting that method suffix is made of")
     return Setup(
         methods=parse_methods(args.methods), compare_heads=parse_compare_heads(args.compare_head),
         questions=load_questions(args.questions, args.limit), params=decode_params(args),
         curve_sizes=parse_sizes(args.verify_curve) if args.verify_curve else None,
+        curve_cache=parse_sizes(args.verify_cache, "--verify-cache", "cache lengths such as 300,1000,2000"),
     )
 
 
 def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
-    """The engine under "vanilla" and "eagle" (if it has a head), and one per --compare-head name; setup.methods
+    """The engine under each of ENGINE_METHODS (eagle only with a head), and one per --compare-head name; setup.methods
     loses eagle when there is no head and gains the compared heads' names."""
     head = None if args.head.lower() == "none" else args.head
     engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
                          pack=args.pack, follow_load=args.follow_load, kernels=args.kernels)
-    engines = {"vanilla": engine, "eagle": engine}
+    engines = dict.fromkeys(ENGINE_METHODS, engine)
     for name, compare_head in setup.compare_heads.items():
         try:
             engines[name] = engine.with_head(compare_head)
@@ -265,7 +277,8 @@ def build_report(args: argparse.Namespace, setup: Setup, engine: Engine, prompts
         "date": datetime.now().astimezone().isoformat(sep=" ", timespec="minutes"), "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": torch.get_num_threads(), "packed": args.pack,
         "max_new_tokens": params.max_new_tokens, "temperature": params.sampling.temperature, "seed": params.seed,
-        "tree": {"kind": type(params.tree).__name__, **asdict(params.tree)}, "busy_processes": args.busy,
+        "tree": {"kind": type(params.tree).__name__, **asdict(params.tree)},
+        "context": asdict(params.context) if params.context else None, "busy_processes": args.busy,
         "follow_load": args.follow_load,
     }
     questions = [
@@ -304,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
         engines = load_engines(args, setup)  # CheckpointError is a ValueError; a missing base is FileNotFoundError
         engine = engines["vanilla"]
         if setup.curve_sizes:
-            return print_curve(engine, setup.curve_sizes)
+            return print_curve(engine, setup.curve_sizes, setup.curve_cache)
         prompts = first_turn_prompts(engine, setup.questions)
         llama = llama_cpp_for(args, engine, setup.methods, prompts)
     except (ValueError, OSError, ImportError) as err:
@@ -339,12 +352,18 @@ def busy_processes(count: int):
             process.wait()
 
 
-def print_curve(engine: Engine, sizes: list[int]) -> dict:
-    """--verify-curve: the base model's verification cost by tree size (engine/tools/costs.py)."""
-    rows = verification_curve(engine.target, sizes)
-    print("tree tokens  ms/forward  x one-token step")
-    for row in rows:
-        print(f"{row['tree_tokens']:>11}  {row['ms']:>10.1f}  {row['ratio']:>16.2f}")
+def print_curve(engine: Engine, sizes: list[int], cache_lengths: list[int]) -> dict:
+    """--verify-curve: the base model's verification cost by tree size over each cache length (engine/tools/costs.py);
+    a long chat makes every forward attend to more keys, a tree's many rows more so."""
+    if max(cache_lengths) + max(sizes) > engine.max_context:
+        raise ValueError(f"--verify-cache {max(cache_lengths)} + a tree of {max(sizes)} exceeds the model's context "
+                         f"of {engine.max_context} tokens")
+    print("cached tokens  tree tokens  ms/forward  x one-token step")
+    rows = []
+    for cached in cache_lengths:
+        for row in verification_curve(engine.target, sizes, cache_tokens=cached):
+            rows.append({"cache_tokens": cached, **row})
+            print(f"{cached:>13}  {row['tree_tokens']:>11}  {row['ms']:>10.1f}  {row['ratio']:>16.2f}")
     return {"verification_curve": rows}
 
 
