@@ -66,6 +66,11 @@ class Sequence:
         """Tokens in the base cache: the prompt and every produced token but the root."""
         return self.prompt_len + self.produced - 1
 
+    def remember(self, tokens: list[int]) -> None:
+        """Add tokens now in the text to the context index, when the round drafts from it."""
+        if self.context is not None:
+            self.context.extend(tokens)
+
 
 @dataclass
 class Verification:
@@ -109,8 +114,7 @@ def prefill(
     if drafter is not None:
         drafter.reset()
         drafter.commit(features, torch.cat([prompt[1:], torch.tensor([seq.root])]))
-    if seq.context is not None:
-        seq.context.extend(prompt_ids + [seq.root])
+    seq.remember(prompt_ids + [seq.root])
     return Step([seq.root], [False], verify_s=verified - start, draft_s=time.perf_counter() - verified, kind="prefill")
 
 
@@ -126,8 +130,7 @@ def plain_step(
     verified = time.perf_counter()
     if drafter is not None:
         drafter.commit(features, torch.tensor([seq.root]))
-    if seq.context is not None:
-        seq.context.extend([seq.root])
+    seq.remember([seq.root])
     return Step([seq.root], [False], verify_s=verified - start, draft_s=time.perf_counter() - verified, kind="plain")
 
 
@@ -168,8 +171,7 @@ def commit(
     if drafter is not None:
         features = verification.features[path.to(verification.features.device, non_blocking=True)]
         drafter.commit(features, torch.tensor(tokens))
-    if seq.context is not None:
-        seq.context.extend(tokens)
+    seq.remember(tokens)
     seq.root = acceptance.bonus
     return tokens
 

@@ -229,6 +229,8 @@ def graft(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
     """The tree with token chains added under its root. A chain follows the tree's nodes while their tokens agree
     and continues with new nodes, marked from_context, where they part: siblings never repeat a token, and new
     nodes come after the old ones, so parents still precede children."""
+    if not chains:  # most rounds with context drafting off or no match: the tree as it is, not rebuilt
+        return tree
     tokens, parents, from_context = tree.tokens.tolist(), tree.parents.tolist(), tree.from_context.tolist()
     child = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens)) if node > 0}
     for chain in chains:

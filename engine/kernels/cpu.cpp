@@ -92,6 +92,14 @@ void multiply_tile(const float* x, int64_t in, const float* w, const float* bias
     for (int r = 0; r < FEATURES && r < valid; ++r) out[i * out_stride + r] = hsum(acc[i][r]) + (bias ? bias[r] : 0.f);
 }
 
+// ROWS input rows against a whole tile: its two halves of four features.
+template <int ROWS>
+void multiply_rows(const float* x, int64_t in, const float* w, const float* bias, float* out, int64_t out_stride,
+                   int64_t valid) {
+  multiply_tile<ROWS, 4>(x, in, w, bias, out, out_stride, valid);
+  multiply_tile<ROWS, 4>(x, in, w + 4 * in, bias ? bias + 4 : nullptr, out + 4, out_stride, valid - 4);
+}
+
 // A lone row (one-token decoding): each tile's weights dequantized in registers and used at once. The same
 // operations per output as multiply_tile over a dequantized tile, so the bits are those of any batch.
 template <typename Format>
@@ -149,16 +157,10 @@ at::Tensor grouped_linear(const at::Tensor& x, int64_t out_features, const std::
       }
       dequantize_tile(format, n0, valid, w.data());
       int64_t i = 0;
-      for (; i + 3 <= count; i += 3) {
-        for (int64_t f = 0; f < TILE; f += 4)
-          multiply_tile<3, 4>(xs + i * in, in, w.data() + f * in, b ? b + f : nullptr, os + i * out_features + n0 + f,
-                              out_features, valid - f);
-      }
-      for (; i + 2 <= count; i += 2) {
-        multiply_tile<2, 4>(xs + i * in, in, w.data(), b, os + i * out_features + n0, out_features, valid);
-        multiply_tile<2, 4>(xs + i * in, in, w.data() + 4 * in, b ? b + 4 : nullptr, os + i * out_features + n0 + 4,
-                            out_features, valid - 4);
-      }
+      for (; i + 3 <= count; i += 3) multiply_rows<3>(xs + i * in, in, w.data(), b, os + i * out_features + n0,
+                                                    out_features, valid);
+      for (; i + 2 <= count; i += 2) multiply_rows<2>(xs + i * in, in, w.data(), b, os + i * out_features + n0,
+                                                    out_features, valid);
       if (i < count) multiply_tile<1, 8>(xs + i * in, in, w.data(), b, os + i * out_features + n0, out_features, valid);
     }
   });

@@ -53,6 +53,7 @@ from tqdm import tqdm
 from ..draft.checkpoint import DEFAULT_HEAD
 from ..engine import Engine
 from ..models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, load_base
+from ..params import METHODS as ENGINE_METHODS
 from ..params import DecodeParams
 from ..tree import TREES, DynamicTree
 from ..quant import KERNELS, gguf_file
@@ -61,9 +62,8 @@ from .llamacpp import LlamaCpp, decode_tokens_per_s
 from .report import add_speedups, exactness_warnings, plot, print_table, summarize
 from .runs import SHARED_QUESTIONS, Run, first_turn_prompts, load_questions, run_engine, run_hf
 
-METHODS = ("vanilla", "eagle", "suffix", "hf", "hf-pld")
+METHODS = (*ENGINE_METHODS, "hf", "hf-pld")
 PEERS = ("llama.cpp",)  # other runners, from optional packages (requirements-bench.txt): only when asked for
-ENGINE_METHODS = ("vanilla", "eagle", "suffix")
 WARMUP_TOKENS = 8
 
 
