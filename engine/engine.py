@@ -95,22 +95,23 @@ class Engine:
         CPU engine.attention's attention (whatever attn says), changing the model in place. follow_load: see __init__.
         head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16; the
         head's precision never changes the output (verification decides), only how fast and how well it drafts.
-        kernels "float" | "q4": which CPU linear layers the base model runs (engine.quant.resolve_kernels); q4 runs
-        in float32, and it is that model that plain decoding and EAGLE both decode.
+        kernels "auto" | "float" | "q4": which CPU linear layers the base model runs (engine.quant.resolve_kernels);
+        q4 runs in float32, and it is that model that plain decoding and EAGLE both decode.
         """
         if head == "default":
             head = DEFAULT_HEAD if base in (None, "", DEFAULT_BASE) and DEFAULT_HEAD.exists() else None
         if head and attn == "flash_attention_2":
             raise ValueError("flash_attention_2 cannot apply the tree mask that EAGLE verification needs: "
                              "use attn='sdpa' with a draft head (flash_attention_2 serves plain decoding only)")
-        kernels = resolve_kernels(kernels, device, dtype, pack, quantization)
+        gguf = gguf_file(base)
+        kernels = resolve_kernels(kernels, device, dtype, pack, quantization, gguf)
         if dtype == "auto":
             dtype = "float32" if kernels == "q4" else auto_dtype(device, quantization, pack)
         model, tokenizer = load_base(
             base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
         )
         draft = _load_head(head, model, head_dtype, pack) if head else None
-        return cls(model, tokenizer, draft, pack=pack, follow_load=follow_load, kernels=kernels, gguf=gguf_file(base))
+        return cls(model, tokenizer, draft, pack=pack, follow_load=follow_load, kernels=kernels, gguf=gguf)
 
     def with_head(self, head: str | Path, head_dtype: str | None = None) -> "Engine":
         """Another engine on this one's base model (shared, not copied) that drafts with another head: for comparing

@@ -10,7 +10,7 @@ two. Every row thus comes out the same bits whatever the batch, and a tree forwa
 """
 from __future__ import annotations
 
-import functools
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -41,8 +41,9 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        lone_row_sums_differently(  # measured now, at load, rather than in the first decoding step
-            self.in_features, self.out_features, linear.weight.dtype, self.bias is not None, torch.get_num_threads()
+        measure_lone_rows(  # now, at load, for every thread count the engine may switch to (engine.threads)
+            self.in_features, self.out_features, linear.weight.dtype, self.bias is not None,
+            range(1, torch.get_num_threads() + 1),
         )
         # An empty stand-in: code that asks a layer for its weight's dtype or device keeps working.
         self.register_buffer("weight", linear.weight.new_empty(0), persistent=False)
@@ -63,16 +64,35 @@ def _multiply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@functools.cache
+_LONE_ROWS: dict[tuple[int, int, torch.dtype, bool, int], bool] = {}  # (shape, dtype, bias, threads) -> measured
+
+
 def lone_row_sums_differently(
     in_features: int, out_features: int, dtype: torch.dtype, bias: bool, threads: int
 ) -> bool:
-    """Whether oneDNN multiplies a single row in another order than a batch, for this shape, dtype and thread count.
+    """Whether oneDNN multiplies a single row in another order than a batch, for this shape, dtype and thread count
+    (measured by measure_lone_rows, once per key)."""
+    key = (in_features, out_features, dtype, bias, threads)
+    if key not in _LONE_ROWS:
+        measure_lone_rows(in_features, out_features, dtype, bias, (threads,))
+    return _LONE_ROWS[key]
 
-    Measured once, on weights of +-1 and inputs of +-2^k spread over 24 octaves: the products are exact and their
-    sums cancel, so any change of summation order shows in the result, in bfloat16 outputs too. Padding every lone
-    row instead would cost ~10 % of a float32 step, where most shapes need none.
+
+def measure_lone_rows(
+    in_features: int, out_features: int, dtype: torch.dtype, bias: bool, thread_counts: Iterable[int]
+) -> None:
+    """Measure lone_row_sums_differently's answer for each thread count not measured yet.
+
+    On weights of +-1 and inputs of +-2^k spread over 24 octaves the products are exact and their sums cancel, so
+    any change of summation order shows in the result, in bfloat16 outputs too. Padding every lone row instead would
+    cost ~10 % of a float32 step, where most shapes need none. One measurement takes a few hundred ms for an LM head
+    (most of it making the test weight), so every thread count shares one weight, and the engine measures them all
+    at load: measured in the first step after a thread-count change, it made that step 10x slower (and the meter's
+    plain-step timing with it).
     """
+    counts = [t for t in thread_counts if (in_features, out_features, dtype, bias, t) not in _LONE_ROWS]
+    if not counts:
+        return
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).sign().to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
@@ -80,8 +100,16 @@ def lone_row_sums_differently(
     rows = max(2, min(256, 2**17 // out_features))
     octaves = torch.randint(-12, 13, (rows, in_features), generator=generator).to(torch.float32)
     x = (torch.randn(rows, in_features, generator=generator).sign() * 2.0**octaves).to(dtype)
-    together = _multiply(x, packed, bias_row)
-    return any(not torch.equal(_multiply(x[i : i + 1], packed, bias_row), together[i : i + 1]) for i in range(rows))
+    before = torch.get_num_threads()
+    try:
+        for threads in counts:
+            torch.set_num_threads(threads)
+            together = _multiply(x, packed, bias_row)
+            _LONE_ROWS[in_features, out_features, dtype, bias, threads] = any(
+                not torch.equal(_multiply(x[i : i + 1], packed, bias_row), together[i : i + 1]) for i in range(rows)
+            )
+    finally:
+        torch.set_num_threads(before)
 
 
 def packable_dtypes() -> tuple[torch.dtype, ...]:

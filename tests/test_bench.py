@@ -221,3 +221,20 @@ def test_bad_curve_sizes_are_refused(assets, capsys):
     with pytest.raises(SystemExit):
         main(["--questions", str(assets / "questions.jsonl"), "--verify-curve", "1,8", "--verify-cache", "0"])
     assert "--verify-cache: every value must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kernels", ["float", "q4"])
+def test_hf_runs_transformers_own_layers_whatever_the_engines_kernels(kernels):
+    """hf measures transformers itself: never the engine's packed or 4-bit layers (on q4 it once ran the engine's
+    own model, and looked as fast as the engine)."""
+    from engine import kernels as engine_kernels
+    from engine.packed import PackedLinear
+    from engine.quant import QuantLinear
+    from engine.tools.bench import build_parser, hf_model_for
+
+    if kernels == "q4" and not engine_kernels.available():
+        pytest.skip(f"engine/kernels: {engine_kernels.unavailable_reason()}")
+    engine = Engine.load(head=None, kernels=kernels)
+    model = hf_model_for(build_parser().parse_args(["--methods", "hf"]), engine, ["hf"])
+    assert model is not engine.model
+    assert not any(isinstance(m, (PackedLinear, QuantLinear)) for m in model.modules())

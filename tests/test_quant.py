@@ -10,6 +10,7 @@ from conftest import SHAPES, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
 from engine import Engine, kernels
 from engine.gguf_tensors import read_tensors
 from engine.models import embedded_gguf_path, load_base
+from engine.packed import bf16_native
 from engine.quant import QuantLinear, gguf_groups, groups_from_blocks, quantize, quantize_linears, resolve_kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/kernels: {kernels.unavailable_reason()}")
@@ -106,17 +107,29 @@ def test_quantize_linears_replaces_float32_linears_whose_inputs_come_in_groups()
     assert model[0].kind == model[3].kind == "Q4_1"
 
 
-def test_kernels_are_chosen_or_refused_with_a_reason():
-    assert resolve_kernels("float", "cpu", "auto", True, "none") == "float"
-    assert resolve_kernels("q4", "cpu", "auto", True, "none") == "q4"
+def test_kernels_are_chosen_or_refused_with_a_reason(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    assert resolve_kernels("float", "cpu", "auto", True, "none", gguf) == "float"
+    assert resolve_kernels("q4", "cpu", "auto", True, "none", None) == "q4"  # quantizes a non-GGUF base
     with pytest.raises(ValueError, match="unknown kernels 'int3'"):
-        resolve_kernels("int3", "cpu", "auto", True, "none")
+        resolve_kernels("int3", "cpu", "auto", True, "none", gguf)
     with pytest.raises(ValueError, match="float32 activations"):
-        resolve_kernels("q4", "cpu", "bfloat16", True, "none")
+        resolve_kernels("q4", "cpu", "bfloat16", True, "none", gguf)
     with pytest.raises(ValueError, match="pack=False"):
-        resolve_kernels("q4", "cpu", "auto", False, "none")
+        resolve_kernels("q4", "cpu", "auto", False, "none", gguf)
     with pytest.raises(ValueError, match="run on the CPU"):
-        resolve_kernels("q4", "cuda", "auto", True, "none")
+        resolve_kernels("q4", "cuda", "auto", True, "none", gguf)
+
+
+def test_auto_kernels_take_a_gguf_bases_own_groups_where_the_float_path_runs_float32(tmp_path):
+    """auto: q4 for a GGUF base when the float path would run float32 (no native bf16), float otherwise: for
+    another base (quantizing would change the model), in bfloat16, unpacked, or with bitsandbytes."""
+    gguf, float32_here = tmp_path / "model.gguf", not bf16_native()
+    assert resolve_kernels("auto", "cpu", "auto", True, "none", gguf) == ("q4" if float32_here else "float")
+    assert resolve_kernels("auto", "cpu", "float32", True, "none", gguf) == "q4"
+    for dtype, pack, quantization, base in (("auto", True, "none", None), ("bfloat16", True, "none", gguf),
+                                            ("auto", False, "none", gguf), ("auto", True, "4bit", gguf)):
+        assert resolve_kernels("auto", "cpu", dtype, pack, quantization, base) == "float", (dtype, pack, base)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -37,7 +37,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def engine_fp32(engine):
-    return engine if engine.model.dtype == torch.float32 else Engine.load(dtype="float32")
+    float32 = engine.model.dtype == torch.float32 and engine.kernels == "float"
+    return engine if float32 else Engine.load(dtype="float32", kernels="float")
 
 
 def test_default_engine_has_the_shipped_eagle3_head(engine):

@@ -3,12 +3,16 @@ never changes a bit of the output."""
 import os
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import tiny_engine, tokens_of
+from engine import kernels
+from engine.quant import QuantLinear, quantize
 from engine.threads import ThreadGovernor, _busy_seconds
 
 pytestmark = pytest.mark.skipif(_busy_seconds() is None, reason="the governor reads Linux's /proc")
@@ -84,3 +88,55 @@ def test_a_forward_gives_the_same_bits_with_one_and_two_threads(two_threads):
         hidden, _ = engine.target.forward(ids, engine.target.new_cache())
         logits[threads] = engine.target.logits(hidden)
     assert torch.equal(logits[1], logits[2])
+
+
+def test_packed_layers_know_their_lone_row_kernel_for_every_thread_count_from_load(two_threads):
+    """The governor may switch to any count from 1 to the cores: a packed layer measures oneDNN's lone-row
+    summation order for all of them when it is built, so no decoding step after a switch pays the measurement
+    (it made that step 10x slower, and the meter's plain-step timing with it). Measured together, the answers are
+    those of measuring each thread count alone."""
+    from engine import packed
+
+    if not packed.packing_available():
+        pytest.skip("this torch build has no oneDNN linear ops")
+    shape = (1536, 576, torch.float32, False)
+    for threads in (1, 2):
+        packed._LONE_ROWS.pop((*shape, threads), None)
+    packed.PackedLinear(torch.nn.Linear(1536, 576, bias=False))
+    together = {threads: packed._LONE_ROWS.get((*shape, threads)) for threads in (1, 2)}
+    assert None not in together.values(), together
+    alone = {}
+    for threads in (1, 2):
+        del packed._LONE_ROWS[(*shape, threads)]
+        alone[threads] = packed.lone_row_sums_differently(*shape, threads)
+    assert alone == together
+    assert torch.get_num_threads() == 2  # the measurement leaves the thread count as it was
+
+
+def _others_cpu_seconds() -> float:
+    """CPU seconds of this process's threads other than the calling one (torch's OpenMP workers among them)."""
+    me, total = threading.get_native_id(), 0.0
+    for task in Path("/proc/self/task").iterdir():
+        if int(task.name) != me:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"engine/kernels: {kernels.unavailable_reason()}")
+def test_the_engines_own_kernels_share_their_work_with_torchs_threads(two_threads):
+    """engine/kernels must be built with OpenMP: without it at::parallel_for runs serially and the q4 matmul and
+    the fixed-order attention used one core of two (they did, until found). Seen as CPU time on torch's worker
+    thread, not as a speed. Their rows come out the same bits with one thread or two."""
+    generator = torch.Generator().manual_seed(0)
+    layer = QuantLinear(quantize(torch.randn(2048, 1024, generator=generator) * 0.05, "Q4_1"), None)
+    x = torch.randn(16, 1024, generator=generator)
+    q, k, v = (torch.randn(1, heads, rows, 64, generator=generator) for heads, rows in ((9, 8), (3, 1500), (3, 1500)))
+    layer(x), torch.ops.eagle_cpu.attention(q, k, v, None, 0.125)  # the worker threads exist from here on
+    before = _others_cpu_seconds()
+    for _ in range(60):
+        two = layer(x), torch.ops.eagle_cpu.attention(q, k, v, None, 0.125)
+    assert _others_cpu_seconds() - before > 0.05, "the kernels ran on the calling thread alone"
+    torch.set_num_threads(1)
+    one = layer(x), torch.ops.eagle_cpu.attention(q, k, v, None, 0.125)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))

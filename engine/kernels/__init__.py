@@ -15,7 +15,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]  # no contraction the source does not ask for
+# No contraction the source does not ask for; OpenMP, or at::parallel_for runs every kernel on one thread.
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 
 
 @functools.cache
@@ -26,7 +27,8 @@ def unavailable_reason() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="eagle_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False)
+        load(name="eagle_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+             is_python_module=False)
     except (OSError, RuntimeError, ImportError) as err:  # no compiler, no ninja, a failed build
         log.warning("engine/kernels could not be built, the float kernels stay: %s", str(err).splitlines()[0])
         return f"building engine/kernels/cpu.cpp failed: {str(err).splitlines()[0]}"

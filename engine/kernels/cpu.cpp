@@ -4,9 +4,9 @@
 // decoding. Here every output element is computed by one thread with one fixed sequence of operations that does not
 // depend on how many rows share the call, where they sit, or how many threads run:
 //  - grouped_linear: weights kept as GGUF groups of 32 (Q4_1: w = d*q + m, q in 0..15; Q8_0: w = d*q, q int8),
-//    dequantized one tile of output features at a time into float32 (the very floats gguf's dequantize gives:
-//    d*q is exact, so fma(q, d, m) rounds once like (d*q) + m) and multiplied with every input row while the tile
-//    sits in L1, so the weights are read once per call whatever the number of rows.
+//    each group dequantized in registers into float32 (the very floats gguf's dequantize gives: d*q is exact, so
+//    fma(q, d, m) rounds once like (d*q) + m) and used at once for up to eight input rows, so the weights are read
+//    and dequantized once per call for each eight rows.
 //  - attention: softmax(q.k * scale + mask) v per (row, head) over the keys the row sees, gathered in key order
 //    first, so masked keys between them (a tree's other branches) change nothing.
 #include <ATen/ATen.h>
@@ -23,7 +23,7 @@
 namespace {
 
 constexpr int64_t GROUP = 32;  // weights per quantization group
-constexpr int64_t TILE = 8;    // output features dequantized together
+constexpr int64_t TILE = 8;    // output features per task unit
 
 float hsum(__m256 v) {  // one fixed order: halves, then pairs, then the last two lanes
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -71,61 +71,45 @@ struct Q8_0 {
   }
 };
 
-// out[i][r] = x_i . w_r for ROWS input rows and FEATURES tile rows: one 8-lane accumulator per output, lane l summing
-// k = l, l + 8, ... in order, then hsum. Blocking changes which outputs run side by side, never an output's sums:
-// three rows at a time (12 accumulators, each weight vector loaded once for the three) where a tree has them.
-template <int ROWS, int FEATURES>
-void multiply_tile(const float* x, int64_t in, const float* w, const float* bias, float* out, int64_t out_stride,
-                   int64_t valid) {
-  __m256 acc[ROWS][FEATURES];
-  for (int i = 0; i < ROWS; ++i)
-    for (int r = 0; r < FEATURES; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < in; k += 8) {
-    __m256 wv[FEATURES];
-    for (int r = 0; r < FEATURES; ++r) wv[r] = _mm256_loadu_ps(w + r * in + k);
-    for (int i = 0; i < ROWS; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * in + k);
-      for (int r = 0; r < FEATURES; ++r) acc[i][r] = _mm256_fmadd_ps(xv, wv[r], acc[i][r]);
-    }
-  }
-  for (int i = 0; i < ROWS; ++i)
-    for (int r = 0; r < FEATURES && r < valid; ++r) out[i * out_stride + r] = hsum(acc[i][r]) + (bias ? bias[r] : 0.f);
-}
-
-// ROWS input rows against a whole tile: its two halves of four features.
-template <int ROWS>
-void multiply_rows(const float* x, int64_t in, const float* w, const float* bias, float* out, int64_t out_stride,
-                   int64_t valid) {
-  multiply_tile<ROWS, 4>(x, in, w, bias, out, out_stride, valid);
-  multiply_tile<ROWS, 4>(x, in, w + 4 * in, bias ? bias + 4 : nullptr, out + 4, out_stride, valid - 4);
-}
-
-// A lone row (one-token decoding): each tile's weights dequantized in registers and used at once. The same
-// operations per output as multiply_tile over a dequantized tile, so the bits are those of any batch.
-template <typename Format>
-void multiply_row(const float* x, const Format& format, int64_t n0, int64_t valid, const float* bias, float* out) {
-  __m256 acc[TILE];
-  for (int r = 0; r < TILE; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < format.in / GROUP; ++g) {
-    const __m256 x0 = _mm256_loadu_ps(x + g * GROUP), x1 = _mm256_loadu_ps(x + g * GROUP + 8),
-                 x2 = _mm256_loadu_ps(x + g * GROUP + 16), x3 = _mm256_loadu_ps(x + g * GROUP + 24);
-    for (int r = 0; r < TILE && r < valid; ++r) {
+// ROWS input rows against the tile's output features, one feature at a time: each group of its weights dequantized
+// in registers and used at once for every row. Per output, one 8-lane accumulator sums the group's four vectors in
+// order, group after group, then hsum: the same operations whatever ROWS is, so a row's bits never depend on the
+// rows beside it. (Dequantizing a tile to memory first cost twice as much for 2-16 rows; measured.)
+template <int ROWS, typename Format>
+void multiply_tile(const float* x, int64_t in, const Format& format, int64_t n0, int64_t valid, const float* bias,
+                     float* out, int64_t out_stride) {
+  for (int r = 0; r < TILE && r < valid; ++r) {
+    __m256 acc[ROWS];
+    for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < in / GROUP; ++g) {
       __m256 w[4];
       format.group(n0 + r, g, w);
-      acc[r] = _mm256_fmadd_ps(x3, w[3], _mm256_fmadd_ps(x2, w[2], _mm256_fmadd_ps(x1, w[1],
-               _mm256_fmadd_ps(x0, w[0], acc[r]))));
+      for (int i = 0; i < ROWS; ++i) {
+        const float* xg = x + i * in + g * GROUP;
+        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), w[3], _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), w[2],
+                 _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w[1], _mm256_fmadd_ps(_mm256_loadu_ps(xg), w[0], acc[i]))));
+      }
     }
+    for (int i = 0; i < ROWS; ++i) out[i * out_stride + r] = hsum(acc[i]) + (bias ? bias[r] : 0.f);
   }
-  for (int r = 0; r < TILE && r < valid; ++r) out[r] = hsum(acc[r]) + (bias ? bias[r] : 0.f);
 }
 
+// Every row through multiply_tile, eight at a time.
 template <typename Format>
-void dequantize_tile(const Format& format, int64_t n0, int64_t valid, float* w) {
-  for (int64_t r = 0; r < TILE; ++r) {
-    for (int64_t g = 0; g < format.in / GROUP; ++g) {
-      __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      if (r < valid) format.group(n0 + r, g, part);
-      for (int p = 0; p < 4; ++p) _mm256_storeu_ps(w + r * format.in + g * GROUP + 8 * p, part[p]);
+void multiply_rows(const float* x, int64_t rows, int64_t in, const Format& format, int64_t n0, int64_t valid,
+                          const float* bias, float* out, int64_t out_stride) {
+  for (int64_t i = 0; i < rows; i += 8) {
+    const float* xi = x + i * in;
+    float* o = out + i * out_stride;
+    switch (std::min<int64_t>(8, rows - i)) {
+      case 1: multiply_tile<1>(xi, in, format, n0, valid, bias, o, out_stride); break;
+      case 2: multiply_tile<2>(xi, in, format, n0, valid, bias, o, out_stride); break;
+      case 3: multiply_tile<3>(xi, in, format, n0, valid, bias, o, out_stride); break;
+      case 4: multiply_tile<4>(xi, in, format, n0, valid, bias, o, out_stride); break;
+      case 5: multiply_tile<5>(xi, in, format, n0, valid, bias, o, out_stride); break;
+      case 6: multiply_tile<6>(xi, in, format, n0, valid, bias, o, out_stride); break;
+      case 7: multiply_tile<7>(xi, in, format, n0, valid, bias, o, out_stride); break;
+      default: multiply_tile<8>(xi, in, format, n0, valid, bias, o, out_stride);
     }
   }
 }
@@ -147,21 +131,9 @@ at::Tensor grouped_linear(const at::Tensor& x, int64_t out_features, const std::
   const int64_t tiles = (out_features + TILE - 1) / TILE;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (TILE * in));  // ~64k weights per task at least
   at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
-    std::vector<float> w(count > 1 ? TILE * in : 0);
     for (int64_t t = first; t < last; ++t) {
       const int64_t n0 = t * TILE, valid = std::min(TILE, out_features - n0);
-      const float* b = bs ? bs + n0 : nullptr;
-      if (count == 1) {
-        multiply_row(xs, format, n0, valid, b, os + n0);
-        continue;
-      }
-      dequantize_tile(format, n0, valid, w.data());
-      int64_t i = 0;
-      for (; i + 3 <= count; i += 3) multiply_rows<3>(xs + i * in, in, w.data(), b, os + i * out_features + n0,
-                                                    out_features, valid);
-      for (; i + 2 <= count; i += 2) multiply_rows<2>(xs + i * in, in, w.data(), b, os + i * out_features + n0,
-                                                    out_features, valid);
-      if (i < count) multiply_tile<1, 8>(xs + i * in, in, w.data(), b, os + i * out_features + n0, out_features, valid);
+      multiply_rows(xs, count, in, format, n0, valid, bs ? bs + n0 : nullptr, os + n0, out_features);
     }
   });
   return out.view(shape);

@@ -56,7 +56,7 @@ from ..models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, load_base
 from ..params import METHODS as ENGINE_METHODS
 from ..params import DecodeParams
 from ..tree import TREES, DynamicTree
-from ..quant import KERNELS, gguf_file
+from ..quant import KERNELS, KERNELS_HELP, gguf_file
 from .costs import verification_curve
 from .llamacpp import LlamaCpp, decode_tokens_per_s
 from .report import add_speedups, exactness_warnings, plot, print_table, summarize
@@ -162,9 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--draft-top-k", type=int, help=f"children per expanded node (default {tree.top_k})")
     add("--no-suffix", dest="context", action="store_false",
         help="eagle drafts with the head alone, without the context's continuations")
-    add("--kernels", default="float", choices=list(KERNELS),
-        help="the engine's CPU linear layers: float = oneDNN-packed float weights (default), q4 = the GGUF's 4-bit "
-             "groups as they are (engine/quant.py, engine/kernels)")
+    add("--kernels", default="float", choices=list(KERNELS), help=KERNELS_HELP)
     add("--no-pack", dest="pack", action="store_false",
         help="keep the engine's CPU linear layers as transformers has them (no oneDNN packing)")
     add("--verify-curve", default=None, metavar="SIZES",
@@ -218,10 +216,11 @@ def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
 
 
 def hf_model_for(args: argparse.Namespace, engine: Engine, methods: list[str]) -> PreTrainedModel:
-    """transformers' own model for hf and hf-pld: a second, unpacked copy when the engine packed its layers or
-    the hf methods run in another dtype."""
+    """transformers' own model for hf and hf-pld: a second, stock copy when the engine replaced layers of its own
+    (packed or q4) or the hf methods run in another dtype."""
     hf_dtype = args.hf_dtype or _dtype_name(engine)
-    if {"hf", "hf-pld"} & set(methods) and (engine.packed_layers or hf_dtype != _dtype_name(engine)):
+    replaced = engine.packed_layers or engine.quantized_layers
+    if {"hf", "hf-pld"} & set(methods) and (replaced or hf_dtype != _dtype_name(engine)):
         return load_base(args.base, dtype=hf_dtype, device=args.device, quantization=args.quantization)[0]
     return engine.model
 

@@ -2,14 +2,17 @@
 same answer length and stop tokens, greedy, through `xllamacpp` (a prebuilt wheel of llama.cpp's server,
 requirements-bench.txt).
 
-The server runs inside this process and answers on a local port; its native /completion endpoint takes token ids
-and returns token ids, so nothing is re-tokenized. Its figures are the wall time of each request (prefill included,
+The server runs in a child process and answers on a local port; its native /completion endpoint takes token ids
+and returns token ids, so nothing is re-tokenized. In the bench's own process, merely starting it slowed the
+engine's plain decoding from ~25 to ~15 tokens/s for the rest of the run (its OpenMP build and torch's share one
+runtime there), so every method but llama.cpp ran slow in a run that included it. Its figures are the wall time of each request (prefill included,
 as for every other method) and llama.cpp's own decode timings (prefill excluded).
 """
 from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from ..params import DecodeParams
 from .runs import Run
 
 PACKAGE = "xllamacpp"
+STARTUP_S = 120  # loading the model, on a busy 2-core machine
 
 
 @dataclass
@@ -32,21 +36,23 @@ class LlamaCppRun(Run):
 
 
 class LlamaCpp:
-    """One llama.cpp server over a GGUF file, in this process, answering one request at a time."""
+    """One llama.cpp server over a GGUF file, in a child process, answering one request at a time."""
 
     def __init__(self, gguf: Path, threads: int, context: int, stop_ids: tuple[int, ...]):
         require(PACKAGE, "method llama.cpp", "-r requirements-bench.txt")
-        xllamacpp = importlib.import_module(PACKAGE)
-        params = xllamacpp.CommonParams()
-        params.model.path = str(gguf)
-        params.n_ctx = context
-        params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads
-        params.n_parallel = 1
-        params.warmup = False
-        params.verbosity = -1
         self.threads, self.stop_ids = threads, stop_ids
-        self._server = xllamacpp.Server(params)
-        self._url = self._server.listening_address + "/completion"
+        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: none of this process's threads or torch
+        self._pipe, child_end = spawn.Pipe()
+        self._process = spawn.Process(target=_serve, args=(str(gguf), threads, context, child_end), daemon=True)
+        self._process.start()
+        if not self._pipe.poll(STARTUP_S):
+            self.close()
+            raise RuntimeError(f"llama.cpp did not start within {STARTUP_S} s")
+        kind, detail = self._pipe.recv()
+        if kind == "error":
+            self.close()
+            raise RuntimeError(f"llama.cpp could not serve {gguf}: {detail}")
+        self._url = detail + "/completion"
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local: never via a proxy
 
     def run(self, prompt: list[int], params: DecodeParams) -> LlamaCppRun:
@@ -68,7 +74,34 @@ class LlamaCpp:
                            decoded_tokens=timings["predicted_n"], prompt_tokens=timings["prompt_n"])
 
     def close(self) -> None:
-        self._server = None  # its destructor stops the server's loop
+        """Stop the server: its process ends when the pipe closes."""
+        self._pipe.close()
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+
+def _serve(gguf: str, threads: int, context: int, pipe) -> None:
+    """The child process: start the server, send its address (or why it failed), serve until the pipe closes."""
+    try:
+        xllamacpp = importlib.import_module(PACKAGE)
+        params = xllamacpp.CommonParams()
+        params.model.path = gguf
+        params.n_ctx = context
+        params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads
+        params.n_parallel = 1
+        params.warmup = False
+        params.verbosity = -1
+        server = xllamacpp.Server(params)
+    except Exception as err:  # reported to the parent, which raises it with the file's name
+        pipe.send(("error", f"{type(err).__name__}: {err}"))
+        return
+    pipe.send(("address", server.listening_address))
+    try:
+        pipe.recv()  # nothing is ever sent: returns (raising EOFError) once the parent closes its end
+    except EOFError:
+        pass
 
 
 def _sampling(params: DecodeParams) -> dict:
