@@ -26,7 +26,8 @@ from .models import _source, auto_dtype, on_gpu
 GROUP = 32
 KERNELS = ("auto", "float", "q4")
 KERNELS_HELP = ("the CPU linear layers: float = oneDNN-packed float weights, q4 = a GGUF's 4-bit groups as they are "
-                "(engine/kernels; faster here, see README), auto = q4 for a GGUF base on a CPU without native bf16, else float")
+                "(engine/kernels; faster here, see README), auto = q4 for a GGUF base on a CPU without native bf16, "
+                "else float")
 log = logging.getLogger(__name__)
 
 

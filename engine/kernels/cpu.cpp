@@ -76,8 +76,9 @@ struct Q8_0 {
 // order, group after group, then hsum: the same operations whatever ROWS is, so a row's bits never depend on the
 // rows beside it. (Dequantizing a tile to memory first cost twice as much for 2-16 rows; measured.)
 template <int ROWS, typename Format>
-void multiply_tile(const float* x, int64_t in, const Format& format, int64_t n0, int64_t valid, const float* bias,
-                     float* out, int64_t out_stride) {
+void multiply_tile(const float* x, const Format& format, int64_t n0, int64_t valid, const float* bias, float* out,
+                   int64_t out_stride) {
+  const int64_t in = format.in;
   for (int r = 0; r < TILE && r < valid; ++r) {
     __m256 acc[ROWS];
     for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
@@ -96,20 +97,20 @@ void multiply_tile(const float* x, int64_t in, const Format& format, int64_t n0,
 
 // Every row through multiply_tile, eight at a time.
 template <typename Format>
-void multiply_rows(const float* x, int64_t rows, int64_t in, const Format& format, int64_t n0, int64_t valid,
-                          const float* bias, float* out, int64_t out_stride) {
+void multiply_rows(const float* x, int64_t rows, const Format& format, int64_t n0, int64_t valid, const float* bias,
+                   float* out, int64_t out_stride) {
   for (int64_t i = 0; i < rows; i += 8) {
-    const float* xi = x + i * in;
+    const float* xi = x + i * format.in;
     float* o = out + i * out_stride;
     switch (std::min<int64_t>(8, rows - i)) {
-      case 1: multiply_tile<1>(xi, in, format, n0, valid, bias, o, out_stride); break;
-      case 2: multiply_tile<2>(xi, in, format, n0, valid, bias, o, out_stride); break;
-      case 3: multiply_tile<3>(xi, in, format, n0, valid, bias, o, out_stride); break;
-      case 4: multiply_tile<4>(xi, in, format, n0, valid, bias, o, out_stride); break;
-      case 5: multiply_tile<5>(xi, in, format, n0, valid, bias, o, out_stride); break;
-      case 6: multiply_tile<6>(xi, in, format, n0, valid, bias, o, out_stride); break;
-      case 7: multiply_tile<7>(xi, in, format, n0, valid, bias, o, out_stride); break;
-      default: multiply_tile<8>(xi, in, format, n0, valid, bias, o, out_stride);
+      case 1: multiply_tile<1>(xi, format, n0, valid, bias, o, out_stride); break;
+      case 2: multiply_tile<2>(xi, format, n0, valid, bias, o, out_stride); break;
+      case 3: multiply_tile<3>(xi, format, n0, valid, bias, o, out_stride); break;
+      case 4: multiply_tile<4>(xi, format, n0, valid, bias, o, out_stride); break;
+      case 5: multiply_tile<5>(xi, format, n0, valid, bias, o, out_stride); break;
+      case 6: multiply_tile<6>(xi, format, n0, valid, bias, o, out_stride); break;
+      case 7: multiply_tile<7>(xi, format, n0, valid, bias, o, out_stride); break;
+      default: multiply_tile<8>(xi, format, n0, valid, bias, o, out_stride);
     }
   }
 }
@@ -133,7 +134,7 @@ at::Tensor grouped_linear(const at::Tensor& x, int64_t out_features, const std::
   at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const int64_t n0 = t * TILE, valid = std::min(TILE, out_features - n0);
-      multiply_rows(xs, count, in, format, n0, valid, bs ? bs + n0 : nullptr, os + n0, out_features);
+      multiply_rows(xs, count, format, n0, valid, bs ? bs + n0 : nullptr, os + n0, out_features);
     }
   });
   return out.view(shape);

@@ -5,8 +5,8 @@ requirements-bench.txt).
 The server runs in a child process and answers on a local port; its native /completion endpoint takes token ids
 and returns token ids, so nothing is re-tokenized. In the bench's own process, merely starting it slowed the
 engine's plain decoding from ~25 to ~15 tokens/s for the rest of the run (its OpenMP build and torch's share one
-runtime there), so every method but llama.cpp ran slow in a run that included it. Its figures are the wall time of each request (prefill included,
-as for every other method) and llama.cpp's own decode timings (prefill excluded).
+runtime there), so every method but llama.cpp ran slow in a run that included it. Its figures are the wall time of
+each request (prefill included, as for every other method) and llama.cpp's own decode timings (prefill excluded).
 """
 from __future__ import annotations
 
@@ -45,10 +45,12 @@ class LlamaCpp:
         self._pipe, child_end = spawn.Pipe()
         self._process = spawn.Process(target=_serve, args=(str(gguf), threads, context, child_end), daemon=True)
         self._process.start()
-        if not self._pipe.poll(STARTUP_S):
-            self.close()
-            raise RuntimeError(f"llama.cpp did not start within {STARTUP_S} s")
-        kind, detail = self._pipe.recv()
+        child_end.close()  # the child's end lives in the child: a child that dies early then reads as EOF here
+        try:
+            answered = self._pipe.poll(STARTUP_S)
+            kind, detail = self._pipe.recv() if answered else ("error", f"no server within {STARTUP_S} s")
+        except EOFError:  # the child died before it could say why
+            kind, detail = "error", "its process exited before the server was up"
         if kind == "error":
             self.close()
             raise RuntimeError(f"llama.cpp could not serve {gguf}: {detail}")
