@@ -3,8 +3,9 @@ the answer it describes.
 
 The baseline is not a figure from another time: an EAGLE answer times a plain decoding step now and then (every
 PLAIN_EVERY-th round, DecodeParams.plain_every), under whatever else the machine is doing at that moment, and the
-speedup divides the EAGLE rounds' speed by those steps' speed. A plain-decoding answer is its own baseline: 1.00×.
-Speeds count decoding rounds only: the prefill (prompt processing) costs the same with or without EAGLE.
+speedup divides the answer's speed (those steps included: what the user gets) by those steps' speed. A
+plain-decoding answer is its own baseline: 1.00×. Speeds count decoding rounds only: the prefill (prompt
+processing) costs the same with or without EAGLE.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 from engine import Step
 
-PLAIN_EVERY = 8  # a timed plain step every 8th round: ~2 % of an EAGLE answer's speed, a sample every ~15 tokens
+PLAIN_EVERY = 8  # a timed plain step every 8th round
 CHART_ROUNDS = 48  # rounds shown in the acceptance chart
 METHOD_NAMES = {"eagle": "EAGLE", "suffix": "Context drafting (no head)", "vanilla": "Plain decoding"}
 FINISH_NAMES = {"eos": "finished", "length": "token limit reached", "context": "context full"}
@@ -25,13 +26,25 @@ class Rate:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
+    squares: float = 0.0  # each step's seconds squared, summed: the spread of step times
 
     def add(self, tokens: int, seconds: float) -> None:
         self.tokens, self.seconds, self.steps = self.tokens + tokens, self.seconds + seconds, self.steps + 1
+        self.squares += seconds * seconds
 
     @property
     def per_s(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
+
+    @property
+    def relative_error(self) -> float | None:
+        """Standard error of the mean step time over the mean, from 3 steps on: how far a rate measured on this
+        few steps may be off (steps of equal work vary ~15-30 % here with what the machine does meanwhile)."""
+        if self.steps < 3 or self.seconds <= 0:
+            return None
+        mean = self.seconds / self.steps
+        variance = max(0.0, self.squares / self.steps - mean * mean) * self.steps / (self.steps - 1)
+        return (variance / self.steps) ** 0.5 / mean
 
 
 @dataclass
@@ -79,11 +92,17 @@ class TurnMeter:
 
     @property
     def speedup(self) -> float | None:
-        """EAGLE rounds' tokens/s over plain steps' tokens/s, both timed in this answer; 1 for plain decoding."""
+        """The answer's tokens/s (the figure shown, its own plain steps included) over its plain steps' tokens/s; 1
+        for plain decoding."""
         if self.method == "vanilla":
             return 1.0 if self.rounds else None
-        fast, plain = self.speculative.per_s, self.plain.per_s
+        fast, plain = self.decoding.per_s, self.plain.per_s
         return fast / plain if fast and plain else None
+
+    @property
+    def speedup_error(self) -> float | None:
+        """± on the speedup, relative: the plain baseline is a sample of a few steps, the answer's speed is not."""
+        return self.plain.relative_error if self.method != "vanilla" else None
 
     def basis(self) -> str:
         """What the × compares, in words."""
@@ -91,9 +110,12 @@ class TurnMeter:
             return "Plain decoding is the baseline itself: 1.00×."
         if not self.plain.steps:
             return "× appears once a plain decoding step has been timed in this answer."
-        return (f"× = EAGLE rounds ({_figure(self.speculative.per_s, 1)} tokens/s) ÷ plain decoding "
-                f"({_figure(self.plain.per_s, 1)} tokens/s), both timed in this answer: {self.plain.steps} plain "
-                f"step{'s' if self.plain.steps > 1 else ''}, one every {PLAIN_EVERY} rounds.")
+        error = self.speedup_error
+        spread = "" if error is None else f" ± {100 * error:.0f} %"
+        basis = (f"× = this answer ({_figure(self.decoding.per_s, 1)} tokens/s) ÷ plain decoding "
+                 f"({_figure(self.plain.per_s, 1)} tokens/s{spread}), both timed in this answer: {self.plain.steps} "
+                 f"plain step{'s' if self.plain.steps > 1 else ''}, one every {PLAIN_EVERY} rounds.")
+        return basis + (" ± is the standard error of the plain steps' mean." if spread else "")
 
 
 def _figure(value: float | None, digits: int) -> str:
@@ -139,6 +161,7 @@ def meter_html(turn: TurnMeter | None, running: bool = False) -> str:
             f'data-method="{turn.method}" data-rounds="{turn.rounds}" data-tokens="{turn.tokens}" '
             f'data-tps="{turn.tokens_per_s or 0:.3f}" data-tau="{turn.tau or 0:.3f}" data-speedup="{speedup or 0:.3f}" '
             f'data-plain-tps="{turn.plain.per_s or 0:.3f}" data-plain-steps="{turn.plain.steps}" '
+            f'data-speedup-error="{turn.speedup_error or 0:.3f}" '
             f'data-finish="{turn.finish_reason or ""}"'
         )
         note = turn.basis()
@@ -160,6 +183,8 @@ def meter_html(turn: TurnMeter | None, running: bool = False) -> str:
 def turn_log_line(turn: TurnMeter) -> str:
     """One line per answer for the server log: what an operator needs to see the engine's state."""
     speedup = "–" if turn.speedup is None else f"{turn.speedup:.2f}x"
+    if turn.speedup_error is not None:
+        speedup += f" ± {100 * turn.speedup_error:.0f} %"
     return (f"turn: {turn.method}, {turn.tokens} tokens in {turn.rounds} rounds, {_figure(turn.tokens_per_s, 1)} tok/s, "
             f"tau {_figure(turn.tau, 2)}, plain {_figure(turn.plain.per_s, 1)} tok/s over {turn.plain.steps} steps, "
             f"shown {speedup}, prefill {turn.prefill_s * 1000:.0f} ms, {turn.finish_reason or 'stopped'}")

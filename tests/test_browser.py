@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from statistics import mean
 
 import pytest
 
@@ -86,23 +87,33 @@ def test_tokens_drafted_from_the_context_have_their_own_colour(page):
     assert page.locator("#chat div.eagle-answer span.drafted").count() > 0
 
 
+MEASURED_PAIRS = 3  # plain and EAGLE turns taken in turn: the machine's drift between two turns averages out
+
+
 def test_the_meter_compares_against_plain_decoding_timed_in_the_same_answer(page):
-    """The same prompt, plain decoding then EAGLE, a fresh chat each: the EAGLE turn's × agrees with the ratio
-    of the two turns' speeds (within 25 %), and the plain turn shows 1.00×."""
+    """The same prompt, plain decoding and EAGLE in turn, a fresh chat each: the EAGLE turns' × agrees with the
+    ratio of the turns' speeds (within 25 %), and a plain turn shows 1.00×.
+
+    Pairs, not one pair: the same turn measured twice in this page differs by up to ~20 % (what the browser and
+    the machine do meanwhile), and the meter, timed inside its own turn, cannot see the other turn's conditions."""
     set_number(page, "max-new-tokens", 96)
-    figures = {}
-    for label, method in (("Plain decoding", "plain"), ("EAGLE", "eagle")):
-        page.click("#clear")
-        page.wait_for_function("() => document.querySelectorAll('#chat div.eagle-msg').length === 0", timeout=30_000)
-        choose_method(page, label)
-        wait_for_answer(page, send(page, "Explain how a bicycle works, step by step."), timeout_s=300)
-        figures[method] = {key: float(meter(page)[key]) for key in ("tps", "speedup", "plainTps")}
-        if method == "plain":
-            assert "1.00×" in page.locator("#meter").inner_text()
-    print(f"meter: plain {figures['plain']}, eagle {figures['eagle']}")
-    assert figures["plain"]["speedup"] == 1.0 and figures["eagle"]["plainTps"] > 0
-    ratio = figures["eagle"]["tps"] / figures["plain"]["tps"]
-    assert abs(figures["eagle"]["speedup"] / ratio - 1) <= 0.25, (figures, ratio)
+    figures = {"plain": [], "eagle": []}
+    for _ in range(MEASURED_PAIRS):
+        for label, method in (("Plain decoding", "plain"), ("EAGLE", "eagle")):
+            page.click("#clear")
+            page.wait_for_function("() => document.querySelectorAll('#chat div.eagle-msg').length === 0",
+                                   timeout=30_000)
+            choose_method(page, label)
+            wait_for_answer(page, send(page, "Explain how a bicycle works, step by step."), timeout_s=300)
+            figures[method].append({key: float(meter(page)[key]) for key in ("tps", "speedup", "plainTps")})
+            if method == "plain":
+                assert "1.00×" in page.locator("#meter").inner_text()
+    print(f"meter: {figures}")
+    assert all(turn["speedup"] == 1.0 for turn in figures["plain"])
+    assert all(turn["plainTps"] > 0 for turn in figures["eagle"])
+    ratio = mean(turn["tps"] for turn in figures["eagle"]) / mean(turn["tps"] for turn in figures["plain"])
+    shown = mean(turn["speedup"] for turn in figures["eagle"])
+    assert abs(shown / ratio - 1) <= 0.25, (figures, ratio)
 
 
 def test_stop_ends_decoding_on_the_server(page):

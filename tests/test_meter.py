@@ -34,11 +34,30 @@ def test_speedup_divides_by_plain_steps_timed_in_the_same_answer():
     turn.add(step(0, 0.30, kind="plain", draft_s=0.05))  # its drafter upkeep is not plain decoding's cost
     turn.add(step(1, 0.25))
     turn.add(step(0, 0.20, kind="plain"))
-    eagle_rate, plain_rate = (4 + 2) / (0.5 + 0.25), 2 / (0.25 + 0.20)
-    assert turn.speedup == pytest.approx(eagle_rate / plain_rate)
-    assert turn.tokens_per_s == pytest.approx(8 / 1.25)  # what the user got, plain steps included
+    answer_rate, plain_rate = 8 / 1.25, 2 / (0.25 + 0.20)
+    assert turn.tokens_per_s == pytest.approx(answer_rate)  # what the user got, plain steps included
+    assert turn.speedup == pytest.approx(answer_rate / plain_rate)
     assert turn.tau == pytest.approx(6 / 2)  # drafting rounds only, as the benchmark's tau
     assert f"one every {PLAIN_EVERY} rounds" in turn.basis() and "2 plain steps" in turn.basis()
+
+
+def test_the_speedup_carries_the_standard_error_of_its_plain_sample():
+    """The baseline is a few steps of a noisy machine: the meter says how far off it may be, once it can tell."""
+    turn = TurnMeter("eagle")
+    turn.add(step(0, 1.0, kind="prefill"))
+    for seconds in (0.1, 0.2):
+        turn.add(step(2, 0.3))
+        turn.add(step(0, seconds, kind="plain"))
+    assert turn.speedup_error is None and "±" not in turn.basis()  # two steps say nothing of their spread
+    turn.add(step(0, 0.3, kind="plain"))
+    # step times 0.1, 0.2, 0.3 s: mean 0.2, sample variance 0.01, standard error (0.01 / 3) ** 0.5
+    assert turn.speedup_error == pytest.approx((0.01 / 3) ** 0.5 / 0.2)
+    assert "tokens/s ± 29 %" in turn.basis() and 'data-speedup-error="0.289"' in meter_html(turn)
+    steady = TurnMeter("eagle")
+    for _ in range(4):
+        steady.add(step(0, 0.25, kind="plain"))
+    assert steady.speedup_error == pytest.approx(0.0, abs=1e-6)
+    assert TurnMeter("vanilla").speedup_error is None
 
 
 def test_a_plain_decoding_answer_is_its_own_baseline():
@@ -61,7 +80,7 @@ def test_meter_html_shows_the_figures_and_a_bar_per_round():
     assert f"{turn.speedup:.2f}×" in html and f"{turn.tau:.2f}" in html
     assert html.count("<rect") == 48  # the chart keeps the latest rounds only
     assert "round 60: 4 tokens" in html
-    assert "plain decoding (2.5 tokens/s)" in html and 'data-plain-steps="8"' in html  # the baseline is named
+    assert "plain decoding (2.5 tokens/s ± 0 %)" in html and 'data-plain-steps="8"' in html  # the baseline is named
     finished = meter_html(turn)
     assert 'data-state="idle"' in finished and "stopped" in finished
 
