@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto: bfloat16 on a CPU with native bf16 (exact and faster there), else float32")
     add("--quantization", default="none", choices=list(QUANTIZATIONS),
         help="bitsandbytes weights, for Hugging Face checkpoints")
-    add("--kernels", default="float", choices=list(KERNELS), help=KERNELS_HELP)
+    add("--kernels", default="auto", choices=list(KERNELS), help=KERNELS_HELP)
     add("--max-memory", help="with --device auto or cuda:N: the most each GPU may hold, e.g. 20GiB")
     add("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     add("--port", type=int, help="port (default 7860, or the next free one)")

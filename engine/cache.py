@@ -64,6 +64,16 @@ class GrowingLayer(DynamicLayer):
         self.length = end
         return self.keys, self.values
 
+    def reserve(self, end: int, like: torch.Tensor, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers with room for `end` positions, for a kernel that writes them itself (engine.fused); the first
+        use creates them in `like`'s dtype and device, as update would for keys [1, kv_heads, M, head_dim]."""
+        if not self.is_initialized:
+            empty = like.new_empty(1, kv_heads, 0, head_dim)
+            self.lazy_initialization(empty, empty)
+        if end > self.capacity:
+            self._grow(end)
+        return self._keys, self._values
+
     def _grow(self, needed: int) -> None:
         capacity = needed + max(MIN_SPARE, needed // 2)
         for name in ("_keys", "_values"):
@@ -96,8 +106,13 @@ def keep_path(cache: GrowingCache, prefix_len: int, path: torch.Tensor) -> None:
     The tree was appended at prefix_len; moving the accepted nodes into place avoids re-running the prefix.
     """
     keep = path.to(torch.long) + prefix_len
+    layers = _growing_layers(cache)
+    if torch.equal(path.cpu(), torch.arange(len(path))):  # already in place: often the root alone
+        for layer in layers:
+            layer.length = prefix_len + len(path)
+        return
     on_device: dict[torch.device, torch.Tensor] = {}
-    for layer in _growing_layers(cache):
+    for layer in layers:
         if layer.device not in on_device:
             on_device[layer.device] = keep.to(layer.device, non_blocking=True)
         layer.keep(prefix_len, on_device[layer.device])

@@ -85,7 +85,7 @@ class Engine:
         max_memory: str | None = None,
         pack: bool = True,
         follow_load: bool = True,
-        kernels: str = "float",
+        kernels: str = "auto",
     ) -> "Engine":
         """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise.
 

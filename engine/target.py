@@ -6,13 +6,16 @@ import torch
 from transformers import PreTrainedModel
 
 from .cache import GrowingCache
+from .fused import FusedLlama
 
 
 class Target:
     """Wraps a Hugging Face causal LM; the LM head is applied separately so callers pay only for rows they need."""
 
-    def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None):
+    def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None, fused: bool = True):
+        """fused: run the decoder as one kernel call where engine.fused describes the model exactly (same bits)."""
         self.model = model
+        self.fused = FusedLlama.of(model) if fused else None
         self.body = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.config = model.config.get_text_config()
@@ -60,19 +63,20 @@ class Target:
             bias = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device)
             bias.masked_fill_(~mask.to(self.device, non_blocking=True), torch.finfo(bias.dtype).min)
             mask = bias[None, None]
-        out = self.body(
-            input_ids=ids,
-            position_ids=None if positions is None else positions.view(1, -1).to(self.device, non_blocking=True),
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        hidden = out.last_hidden_state[0]
+        if positions is not None:
+            positions = positions.view(1, -1).to(self.device, non_blocking=True)
+        if self.fused is not None:
+            hidden, captured = self.fused.forward(ids, cache, positions, mask, self.feature_layers or [])
+            hidden = hidden[0]
+        else:
+            out = self.body(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                            use_cache=True)
+            hidden = out.last_hidden_state[0]
+            captured = [self._captured.pop(i) for i in self.feature_layers or []]
         if not self.feature_layers:
             return hidden, hidden
         # With --device auto the captured layers may sit on different GPUs: gather them beside the LM head.
-        features = torch.cat([self._captured.pop(i)[0].to(hidden.device) for i in self.feature_layers], dim=-1)
-        return hidden, features
+        return hidden, torch.cat([layer_input[0].to(hidden.device) for layer_input in captured], dim=-1)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

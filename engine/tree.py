@@ -176,9 +176,9 @@ class DynamicTree:
     round, small shallow trees win there; on a GPU, or with a better head, larger trees pay off.
     """
 
-    total_tokens: int = 8  # tree nodes including the root (the official `total_token`)
-    depth: int = 2  # expansion steps: the tree reaches depth + 1 drafted levels
-    top_k: int = 8  # children per expanded node
+    total_tokens: int = 4  # tree nodes including the root (the official `total_token`)
+    depth: int = 1  # expansion steps: the tree reaches depth + 1 drafted levels
+    top_k: int = 2  # children per expanded node
 
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:

@@ -52,7 +52,7 @@ def engine_status(page) -> dict[str, int]:
 
 
 def test_answer_streams_with_drafted_tokens_and_the_meter_shows_speed(page):
-    set_number(page, "max-new-tokens", SHORT)
+    set_number(page, "max-new-tokens", 4 * SHORT)  # long enough for a few updates at 4 a second
     before = send(page, "Write a short poem about the sea.")
     rounds_seen = set()
     deadline = time.monotonic() + 120

@@ -87,6 +87,19 @@ def test_keep_path_keeps_the_prefix_and_the_path_in_order():
     assert torch.equal(layer.values, values[..., rows[:11], :])
 
 
+@pytest.mark.parametrize("path", [[0], [0, 1, 2], [0, 1, 3]])
+def test_a_path_already_in_place_or_not_leaves_the_same_cache(path):
+    keys, values = random_states(16, 0)
+    layer = GrowingLayer()
+    layer.update(keys, values)
+    cache = kv_cache.GrowingCache()
+    cache.layers.append(layer)
+    keep_path(cache, 10, torch.tensor(path))
+    rows = [*range(10), *(10 + node for node in path)]
+    assert layer.length == len(rows)
+    assert torch.equal(layer.keys, keys[..., rows, :]) and torch.equal(layer.values, values[..., rows, :])
+
+
 def test_compacting_another_cache_is_refused():
     from transformers import DynamicCache
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fused import FusedEagle3
 from ..tree import DraftTree, TreeSpec
 from .head import DraftHead
 from .layers import KV
@@ -24,6 +25,7 @@ class Drafter:
 
     def __init__(self, head: DraftHead):
         self.head = head
+        self.run_head = FusedEagle3.of(head) or head  # the same bits either way, the first without Python per op
         self.device = head.fc.weight.device
         self.cache: list[KV] | None = None
         self._tree_kv: list[KV] | None = None
@@ -43,7 +45,7 @@ class Drafter:
         positions = torch.arange(n, n + t, device=self.device)
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
         mask = torch.cat([torch.ones(t, n, dtype=torch.bool, device=self.device), causal], dim=1)
-        out, new_kv = self.head(
+        out, new_kv = self.run_head(
             features[None].to(self.device), next_tokens[None].to(self.device, non_blocking=True), positions, self.cache,
             mask[None, None],
             from_target=True,
@@ -65,7 +67,7 @@ class Drafter:
         mask = torch.cat([torch.ones(b, n, dtype=torch.bool, device=self.device), visible], dim=1)
         past = _concat(self.cache, self._tree_kv)
         tokens = tokens.to(self.device, non_blocking=True)
-        out, new_kv = self.head(hidden[None], tokens[None], positions, past, mask[None, None], from_target=False)
+        out, new_kv = self.run_head(hidden[None], tokens[None], positions, past, mask[None, None], from_target=False)
         self._tree_kv = _concat(self._tree_kv, new_kv)
         return out[0]
 

@@ -9,6 +9,8 @@
 //    and dequantized once per call for each eight rows.
 //  - attention: softmax(q.k * scale + mask) v per (row, head) over the keys the row sees, gathered in key order
 //    first, so masked keys between them (a tree's other branches) change nothing.
+// Then two whole forwards built from those and torch's own ops, in transformers' order (engine/fused.py): a q4
+// Llama's decoder (llama_forward) and an EAGLE-3 head's layer (eagle3_layer), without Python between their ops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -305,16 +307,122 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   return out;
 }
 
+// transformers' LlamaRMSNorm, op for op.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor wide = x.to(at::kFloat);
+  const at::Tensor variance = wide.pow(2).mean({-1}, /*keepdim=*/true);
+  return weight * (wide * at::rsqrt(variance + eps)).to(x.scalar_type());
+}
+
+// transformers' apply_rotary_pos_emb for one of q and k: x * cos + rotate_half(x) * sin.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  return x * cos + at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin;
+}
+
+constexpr int64_t LAYER_TENSORS = 2 + 7 * 3;  // two norms; codes, scales, mins of q, k, v, o, gate, up, down
+
+// transformers' LlamaModel after the embedding and the rotary tables (its decoder layers and final norm) over M new
+// tokens, op for op as transformers runs them on the engine's kernels (Q4_1 linear layers, fixed-order attention),
+// so that every output has the very same bits, without Python between the ~40 ops of a layer.
+// embeddings [1, M, E]; cos, sin [1, M, head_dim]; mask as attention() takes it (absent: causal); weights: per
+// layer LAYER_TENSORS tensors (input norm, post-attention norm, then the groups of each projection); caches: per
+// layer key and value buffers [1, Hkv, capacity, head_dim] with room for start + M positions, written at start.
+// Returns the final-norm hidden states [1, M, E], then the inputs of the layers listed in `capture`, in its order.
+std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
+                                      const std::optional<at::Tensor>& mask, at::TensorList weights,
+                                      at::TensorList caches, const at::Tensor& final_norm, int64_t start,
+                                      int64_t head_dim, double eps, double scale, at::IntArrayRef capture) {
+  const int64_t layers = static_cast<int64_t>(caches.size()) / 2, rows = embeddings.size(1), end = start + rows;
+  TORCH_CHECK(embeddings.dim() == 3 && embeddings.size(0) == 1, "llama_forward takes embeddings [1, M, E]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS,
+              "llama_forward: ", LAYER_TENSORS, " weight tensors per layer, got ", weights.size(), " for ", layers);
+  for (const at::Tensor& buffer : caches)
+    TORCH_CHECK(buffer.dim() == 4 && buffer.size(2) >= end, "llama_forward: a cache buffer holds fewer than ", end,
+                " positions");
+  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  std::vector<at::Tensor> out(1 + capture.size());
+  at::Tensor h = embeddings;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    for (size_t i = 0; i < capture.size(); ++i)
+      if (capture[i] == layer) out[1 + i] = h;
+    const at::Tensor* w = weights.data() + layer * LAYER_TENSORS;
+    const auto project = [&](int which, const at::Tensor& x) {
+      return q4_1_linear(x, w[2 + 3 * which], w[3 + 3 * which], w[4 + 3 * which], std::nullopt);
+    };
+    const at::Tensor x = rms_norm(h, w[0], eps);
+    const at::Tensor q = rotate(project(0, x).view({1, rows, -1, head_dim}).transpose(1, 2), c, s);
+    const at::Tensor k = rotate(project(1, x).view({1, rows, -1, head_dim}).transpose(1, 2), c, s);
+    const at::Tensor v = project(2, x).view({1, rows, -1, head_dim}).transpose(1, 2);
+    const at::Tensor &keys = caches[2 * layer], &values = caches[2 * layer + 1];
+    keys.slice(2, start, end).copy_(k);
+    values.slice(2, start, end).copy_(v);
+    const at::Tensor attended = attention(q, keys.slice(2, 0, end), values.slice(2, 0, end), mask, scale);
+    h = h + project(3, attended.reshape({1, rows, -1}).contiguous());
+    const at::Tensor y = rms_norm(h, w[1], eps);
+    h = h + project(6, at::silu(project(4, y)) * project(5, y));
+  }
+  for (size_t i = 0; i < capture.size(); ++i)
+    TORCH_CHECK(out[1 + i].defined(), "llama_forward: no layer ", capture[i], " to capture");
+  out[0] = rms_norm(h, final_norm, eps);
+  return out;
+}
+
+constexpr int64_t HEAD_TENSORS = 3 + 7 * 2;  // three norms; codes and scales of q, k, v, o, gate, up, down
+
+// The EAGLE-3 head's decoder layer (engine/draft/eagle3.py Eagle3Layer with layers.py's Attention and MLP) on Q8_0
+// projections, op for op as the Python modules run it, so drafts come out with the same bits, without Python between
+// its ~35 ops. embeds and hidden [1, T, H]; cos, sin [T, head_dim]; past keys and values [1, Hkv, S, head_dim] or
+// absent; mask bool [1, 1, T, S + T]; weights: input norm, hidden norm, post-attention norm, then each projection's
+// groups. Returns the layer's output [1, T, H] and this call's keys and values.
+std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
+                                     const at::Tensor& sin, const std::optional<at::Tensor>& past_keys,
+                                     const std::optional<at::Tensor>& past_values, const at::Tensor& mask,
+                                     at::TensorList weights, int64_t heads, int64_t head_dim, double eps) {
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == HEAD_TENSORS, "eagle3_layer: ", HEAD_TENSORS,
+              " weight tensors, got ", weights.size());
+  TORCH_CHECK(past_keys.has_value() == past_values.has_value(), "eagle3_layer: past keys without values");
+  const int64_t rows = hidden.size(1);
+  const auto project = [&](int which, const at::Tensor& x) {
+    return q8_0_linear(x, weights[3 + 2 * which], weights[4 + 2 * which], std::nullopt);
+  };
+  const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(hidden, weights[1], eps)}, -1);
+  const at::Tensor q = rotate(project(0, x).view({1, rows, heads, head_dim}).transpose(1, 2), cos, sin);
+  const at::Tensor k = rotate(project(1, x).view({1, rows, -1, head_dim}).transpose(1, 2), cos, sin);
+  const at::Tensor v = project(2, x).view({1, rows, -1, head_dim}).transpose(1, 2);
+  const at::Tensor keys = past_keys.has_value() ? at::cat({*past_keys, k}, 2) : k;
+  const at::Tensor values = past_values.has_value() ? at::cat({*past_values, v}, 2) : v;
+  // layers.attend: query heads sharing a key/value head become rows of one attention, the mask repeated for each.
+  const int64_t kv_heads = keys.size(1), groups = heads / kv_heads;
+  at::Tensor attended;
+  if (groups == 1) {
+    attended = at::scaled_dot_product_attention(q, keys, values, mask);
+  } else {
+    const at::Tensor grouped = q.reshape({1, kv_heads, groups * rows, head_dim});
+    const at::Tensor repeated = mask.unsqueeze(2).expand({-1, -1, groups, -1, -1}).flatten(2, 3);
+    attended = at::scaled_dot_product_attention(grouped, keys, values, repeated).view({1, heads, rows, head_dim});
+  }
+  const at::Tensor after = hidden + project(3, attended.transpose(1, 2).reshape({1, rows, -1}));
+  const at::Tensor y = rms_norm(after, weights[2], eps);
+  return {after + project(6, at::silu(project(4, y)) * project(5, y)), k, v};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(eagle_cpu, m) {
   m.def("q4_1_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+  m.def("llama_forward(Tensor embeddings, Tensor cos, Tensor sin, Tensor? mask, Tensor[] weights, Tensor[] caches, "
+        "Tensor final_norm, int start, int head_dim, float eps, float scale, int[] capture) -> Tensor[]");
+  m.def("eagle3_layer(Tensor embeds, Tensor hidden, Tensor cos, Tensor sin, Tensor? past_keys, Tensor? past_values, "
+        "Tensor mask, Tensor[] weights, int heads, int head_dim, float eps) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q8_0_linear", &q8_0_linear);
   m.impl("attention", &attention);
+  m.impl("llama_forward", &llama_forward);
+  m.impl("eagle3_layer", &eagle3_layer);
 }

@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--draft-top-k", type=int, help=f"children per expanded node (default {tree.top_k})")
     add("--no-suffix", dest="context", action="store_false",
         help="eagle drafts with the head alone, without the context's continuations")
-    add("--kernels", default="float", choices=list(KERNELS), help=KERNELS_HELP)
+    add("--kernels", default="auto", choices=list(KERNELS), help=KERNELS_HELP)
     add("--no-pack", dest="pack", action="store_false",
         help="keep the engine's CPU linear layers as transformers has them (no oneDNN packing)")
     add("--verify-curve", default=None, metavar="SIZES",

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from ..engine import Engine
 from ..params import DecodeParams
+from ..quant import KERNELS, KERNELS_HELP
 from ..tree import DynamicTree
 from .report import summarize
 from .runs import SHARED_QUESTIONS, first_turn_prompts, load_questions, run_engine
@@ -26,6 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--base", default=None)
     parser.add_argument("--head", default="default")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kernels", default="auto", choices=list(KERNELS), help=KERNELS_HELP)
     parser.add_argument("--total-tokens", default="8,12,16,24,32", help="comma-separated values to try")
     parser.add_argument("--depth", default="3,4,5,6")
     parser.add_argument("--draft-top-k", default="4,8")
@@ -40,7 +42,7 @@ def tree_grid(total_tokens: str, depth: str, top_k: str) -> list[DynamicTree]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    engine = Engine.load(args.base, args.head, dtype=args.dtype)
+    engine = Engine.load(args.base, args.head, dtype=args.dtype, kernels=args.kernels)
     questions = load_questions(args.questions, args.limit)
     prompts, categories = first_turn_prompts(engine, questions), [q["category"] for q in questions]
     plain = DecodeParams(method="vanilla", max_new_tokens=args.max_new_tokens)

@@ -1,0 +1,133 @@
+"""A Llama base on the q4 kernels in one C++ call per forward (engine/kernels llama_forward), the same bits as
+transformers' own forward; likewise an EAGLE-3 head's layer on Q8_0 kernels (eagle3_layer), for drafting.
+
+A decoding step of a small model on the CPU runs ~40 ops in each of its 30 layers, and transformers' modules spend
+more time in Python between them than the q4 matmuls take. llama_forward runs the very ops transformers runs, in the
+same order on the same kernels (Q4_1 linear layers, fixed-order attention, torch's own norm, rotary and SiLU ops),
+so hidden states, features and cache come out bit for bit as through the model (tests/test_fused.py), and plain
+decoding and EAGLE still run one model. Models it does not describe exactly keep transformers' forward. A draft
+round runs the head three or four times on a few rows, where the Python between ops cost more than the ops.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from . import kernels
+from .attention import FIXED_ORDER
+from .cache import GrowingCache, GrowingLayer
+from .draft.eagle3 import Eagle3Head
+from .draft.layers import KV
+from .quant import QuantLinear
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+class FusedLlama:
+    """The decoder of a Llama model whose every projection is a bias-free Q4_1 QuantLinear, as one kernel call."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.body = model.get_decoder()
+        config = model.config.get_text_config()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.eps = float(config.rms_norm_eps)
+        self.scale = float(self.body.layers[0].self_attn.scaling)
+        self.weights = [tensor for layer in self.body.layers for tensor in _layer_tensors(layer)]
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> FusedLlama | None:
+        """A FusedLlama for `model` if llama_forward computes exactly what its transformers forward computes."""
+        return cls(model) if why_not_fused(model) is None else None
+
+    @torch.inference_mode()
+    def forward(
+        self, ids: torch.Tensor, cache: GrowingCache, positions: torch.Tensor | None, mask: torch.Tensor | None,
+        capture: list[int],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """ids [1, M] after the cache's positions; positions [1, M] (None: consecutive) and mask as Target passes
+        them to the model. Returns final-norm hidden states [1, M, E] and the inputs of the `capture` layers."""
+        start, rows = cache.get_seq_length(), ids.shape[1]
+        if positions is None:
+            positions = torch.arange(start, start + rows).view(1, -1)
+        embeddings = self.body.embed_tokens(ids)
+        cos, sin = self.body.rotary_emb(embeddings, positions)
+        layers = _layers(cache, len(self.body.layers))
+        buffers = [buffer for layer in layers
+                   for buffer in layer.reserve(start + rows, embeddings, self.kv_heads, self.head_dim)]
+        hidden, *features = torch.ops.eagle_cpu.llama_forward(
+            embeddings, cos, sin, mask, self.weights, buffers, self.body.norm.weight, start, self.head_dim, self.eps,
+            self.scale, capture)
+        for layer in layers:
+            layer.length = start + rows
+        return hidden, features
+
+
+def why_not_fused(model: PreTrainedModel) -> str | None:
+    """None if llama_forward describes `model` exactly, else what differs."""
+    config = model.config.get_text_config()
+    body = model.get_decoder()
+    checks = (
+        (config.model_type == "llama", f"model type {config.model_type!r} (llama_forward is Llama's forward)"),
+        (getattr(config, "hidden_act", None) == "silu", "an activation other than SiLU"),
+        (config._attn_implementation == FIXED_ORDER, "attention other than the fixed-order kernel"),
+        (not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False), "biases"),
+        (all(_projections_are_q4(layer) for layer in getattr(body, "layers", [])), "layers not all on Q4_1 groups"),
+        (model.dtype == torch.float32, f"{model.dtype} weights"),
+        (kernels.available(), "engine/kernels unavailable"),
+    )
+    return next((reason for holds, reason in checks if not holds), None)
+
+
+def _projections_are_q4(layer: torch.nn.Module) -> bool:
+    modules = [layer.get_submodule(name) for name in PROJECTIONS]
+    return all(isinstance(m, QuantLinear) and m.kind == "Q4_1" and m.bias is None for m in modules) and all(
+        type(norm).__name__ == "LlamaRMSNorm" for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+
+
+def _layer_tensors(layer: torch.nn.Module) -> list[torch.Tensor]:
+    tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    for name in PROJECTIONS:
+        projection = layer.get_submodule(name)
+        tensors += [projection.codes, projection.scales, projection.mins]
+    return tensors
+
+
+def _layers(cache: GrowingCache, count: int) -> list[GrowingLayer]:
+    """The cache's layers, created here on the first forward as transformers would create them."""
+    while len(cache.layers) < count:
+        cache.layers.append(GrowingLayer())
+    return cache.layers
+
+
+class FusedEagle3:
+    """An EAGLE-3 head whose layer's projections are bias-free Q8_0 QuantLinears (a head on a q4 engine), called as
+    the head is (DraftHead.forward), its layer in one kernel call."""
+
+    def __init__(self, head: Eagle3Head):
+        self.head, layer = head, head.midlayer
+        self.heads, self.head_dim = layer.self_attn.heads, layer.self_attn.head_dim
+        self.eps = float(layer.input_layernorm.eps)
+        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
+        projections = [layer.get_submodule(name) for name in PROJECTIONS]
+        self.weights = [norm.weight for norm in norms] + [t for p in projections for t in (p.codes, p.scales)]
+
+    @classmethod
+    def of(cls, head) -> FusedEagle3 | None:
+        if not isinstance(head, Eagle3Head) or not kernels.available():
+            return None
+        projections = [head.midlayer.get_submodule(name) for name in PROJECTIONS]
+        q8 = all(isinstance(p, QuantLinear) and p.kind == "Q8_0" and p.bias is None for p in projections)
+        return cls(head) if q8 and head.fc.weight.device.type == "cpu" else None
+
+    def __call__(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, past: list[KV] | None,
+                 mask: torch.Tensor, from_target: bool) -> tuple[torch.Tensor, list[KV]]:
+        head = self.head
+        hidden = hidden.to(head.fc.weight.dtype)
+        hidden = head.fc(hidden) if from_target else hidden
+        cos, sin = head.rope(positions)
+        keys, values = past[0] if past is not None else (None, None)
+        out, k, v = torch.ops.eagle_cpu.eagle3_layer(head.embed(token_ids), hidden, cos, sin, keys, values, mask,
+                                                     self.weights, self.heads, self.head_dim, self.eps)
+        return out, [(k, v)]

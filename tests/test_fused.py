@@ -1,0 +1,72 @@
+"""engine.fused: a q4 Llama's decoder in one kernel call gives the very bits transformers' forward gives."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, kernels
+from engine.fused import FusedEagle3, why_not_fused
+from engine.target import Target
+from tests.conftest import VOCAB, IdsOnlyTokenizer, random_head, tiny_base
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="engine/kernels unavailable")
+
+
+def forwards(target: Target, prompt: list[int]) -> list[torch.Tensor]:
+    """Prefill, two plain steps, then a tree of four nodes (two branches) with its mask and positions: every
+    hidden state, feature and cached key and value they leave."""
+    cache = target.new_cache()
+    outputs = list(target.forward(torch.tensor(prompt), cache))
+    for token in (5, 9):
+        outputs += target.forward(torch.tensor([token]), cache)
+    cached = cache.get_seq_length()
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(4, cached, dtype=torch.bool), visible], dim=1)
+    outputs += target.forward(torch.tensor([3, 7, 8, 2]), cache, cached + torch.tensor([0, 1, 1, 2]), mask)
+    outputs += [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
+    return outputs
+
+
+def assert_fused_equals_transformers(engine: Engine, prompt: list[int]) -> None:
+    fused, reference = engine.target, Target(engine.model, engine.target.feature_layers, fused=False)
+    assert fused.fused is not None and reference.fused is None
+    for ours, theirs in zip(forwards(fused, prompt), forwards(reference, prompt), strict=True):
+        assert ours.shape == theirs.shape and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kind", [None, "eagle3"])
+def test_a_tiny_q4_llama_fused_gives_transformers_bits(kind, prompt):
+    model = tiny_base("llama-h64-l8-gqa")
+    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=True, kernels="q4")
+    assert_fused_equals_transformers(engine, prompt)
+
+
+def test_the_embedded_model_fused_gives_transformers_bits():
+    engine = Engine.load(kernels="q4")
+    prompt = engine.encode_chat([{"role": "user", "content": "Explain how a bicycle works, step by step."}])
+    assert_fused_equals_transformers(engine, prompt)
+
+
+def test_models_it_does_not_describe_keep_transformers_forward():
+    float_model = tiny_base("llama-h64-l8-gqa")
+    engine = Engine(float_model, IdsOnlyTokenizer(), pack=True)
+    assert engine.target.fused is None and "Q4_1" in why_not_fused(float_model)
+    assert "model type 'qwen3'" in why_not_fused(tiny_base("qwen3-h64-l9"))
+
+
+def test_the_eagle3_heads_layer_fused_gives_its_modules_bits():
+    """A commit over five slots, then an expansion of three siblings over them: outputs and keys alike."""
+    model = tiny_base("llama-h64-l8-gqa")
+    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels="q4")
+    head, fused = engine.head, FusedEagle3.of(engine.head)
+    assert fused is not None
+    torch.manual_seed(0)
+    features, tokens = torch.randn(1, 5, head.config.feature_size), torch.randint(0, VOCAB, (1, 5))
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    committed = [run(features, tokens, torch.arange(5), None, causal, True) for run in (head, fused)]
+    siblings = torch.cat([torch.ones(3, 5, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], dim=1)[None, None]
+    siblings_tokens = torch.tensor([[4, 8, 15]]) % VOCAB
+    expanded = [run(out[:, -1:].expand(1, 3, -1), siblings_tokens, torch.full((3,), 5), kv, siblings, False)
+                for run, (out, kv) in zip((head, fused), committed)]
+    for (theirs, [their_kv]), (ours, [our_kv]) in (committed, expanded):
+        assert torch.equal(ours, theirs) and all(map(torch.equal, our_kv, their_kv))
