@@ -65,19 +65,19 @@ class FusedLlama:
 
 
 def why_not_fused(model: PreTrainedModel) -> str | None:
-    """None if llama_forward describes `model` exactly, else what differs."""
+    """None if llama_forward describes `model` exactly, else what differs (checked in order, the kernel build last)."""
     config = model.config.get_text_config()
-    body = model.get_decoder()
+    layers = getattr(model.get_decoder(), "layers", [])
     checks = (
-        (config.model_type == "llama", f"model type {config.model_type!r} (llama_forward is Llama's forward)"),
-        (getattr(config, "hidden_act", None) == "silu", "an activation other than SiLU"),
-        (config._attn_implementation == FIXED_ORDER, "attention other than the fixed-order kernel"),
-        (not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False), "biases"),
-        (all(_projections_are_q4(layer) for layer in getattr(body, "layers", [])), "layers not all on Q4_1 groups"),
-        (model.dtype == torch.float32, f"{model.dtype} weights"),
-        (kernels.available(), "engine/kernels unavailable"),
+        (lambda: config.model_type == "llama", f"model type {config.model_type!r} (llama_forward is Llama's forward)"),
+        (lambda: getattr(config, "hidden_act", None) == "silu", "an activation other than SiLU"),
+        (lambda: config._attn_implementation == FIXED_ORDER, "attention other than the fixed-order kernel"),
+        (lambda: not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False), "biases"),
+        (lambda: bool(layers) and all(map(_projections_are_q4, layers)), "layers not all on Q4_1 groups"),
+        (lambda: model.dtype == torch.float32, f"{model.dtype} weights"),
+        (kernels.available, "engine/kernels unavailable"),
     )
-    return next((reason for holds, reason in checks if not holds), None)
+    return next((reason for holds, reason in checks if not holds()), None)
 
 
 def _projections_are_q4(layer: torch.nn.Module) -> bool:
@@ -115,11 +115,13 @@ class FusedEagle3:
 
     @classmethod
     def of(cls, head) -> FusedEagle3 | None:
-        if not isinstance(head, Eagle3Head) or not kernels.available():
+        """A FusedEagle3 for `head` if eagle3_layer computes exactly what its modules compute (QuantLinears exist
+        only where engine/kernels built)."""
+        if not isinstance(head, Eagle3Head):
             return None
         projections = [head.midlayer.get_submodule(name) for name in PROJECTIONS]
         q8 = all(isinstance(p, QuantLinear) and p.kind == "Q8_0" and p.bias is None for p in projections)
-        return cls(head) if q8 and head.fc.weight.device.type == "cpu" else None
+        return cls(head) if q8 else None
 
     def __call__(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, past: list[KV] | None,
                  mask: torch.Tensor, from_target: bool) -> tuple[torch.Tensor, list[KV]]:
