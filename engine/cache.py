@@ -54,22 +54,18 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """Write the new positions after the cached ones; return keys and values up to them."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         start, end = self.length, self.length + key_states.shape[-2]
-        if end > self.capacity:
-            self._grow(end)
+        self.reserve(end, key_states, value_states)
         self._keys[..., start:end, :] = key_states
         self._values[..., start:end, :] = value_states
         self.length = end
         return self.keys, self.values
 
-    def reserve(self, end: int, like: torch.Tensor, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buffers with room for `end` positions, for a kernel that writes them itself (engine.fused); the first
-        use creates them in `like`'s dtype and device, as update would for keys [1, kv_heads, M, head_dim]."""
+    def reserve(self, end: int, keys_like: torch.Tensor, values_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers with room for `end` positions, created on first use in the dtype, device and heads of the
+        `_like` tensors ([B, kv_heads, any, head_dim]); a kernel that writes them itself calls it (engine.fused)."""
         if not self.is_initialized:
-            empty = like.new_empty(1, kv_heads, 0, head_dim)
-            self.lazy_initialization(empty, empty)
+            self.lazy_initialization(keys_like, values_like)
         if end > self.capacity:
             self._grow(end)
         return self._keys, self._values
@@ -105,12 +101,12 @@ def keep_path(cache: GrowingCache, prefix_len: int, path: torch.Tensor) -> None:
 
     The tree was appended at prefix_len; moving the accepted nodes into place avoids re-running the prefix.
     """
-    keep = path.to(torch.long) + prefix_len
     layers = _growing_layers(cache)
     if torch.equal(path.cpu(), torch.arange(len(path))):  # already in place: often the root alone
         for layer in layers:
             layer.length = prefix_len + len(path)
         return
+    keep = path.to(torch.long) + prefix_len
     on_device: dict[torch.device, torch.Tensor] = {}
     for layer in layers:
         if layer.device not in on_device:

@@ -54,8 +54,8 @@ class FusedLlama:
         embeddings = self.body.embed_tokens(ids)
         cos, sin = self.body.rotary_emb(embeddings, positions)
         layers = _layers(cache, len(self.body.layers))
-        buffers = [buffer for layer in layers
-                   for buffer in layer.reserve(start + rows, embeddings, self.kv_heads, self.head_dim)]
+        like = embeddings.new_empty(1, self.kv_heads, 0, self.head_dim)  # what update would get for its keys
+        buffers = [buffer for layer in layers for buffer in layer.reserve(start + rows, like, like)]
         hidden, *features = torch.ops.eagle_cpu.llama_forward(
             embeddings, cos, sin, mask, self.weights, buffers, self.body.norm.weight, start, self.head_dim, self.eps,
             self.scale, capture)
