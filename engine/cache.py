@@ -61,7 +61,7 @@ class GrowingLayer(DynamicLayer):
         self.length = end
         return self.keys, self.values
 
-    def reserve(self, end: int, keys_like: torch.Tensor, values_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def reserve(self, end: int, keys_like: torch.Tensor, values_like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Buffers with room for `end` positions, created on first use in the dtype, device and heads of the
         `_like` tensors ([B, kv_heads, any, head_dim]); a kernel that writes them itself calls it (engine.fused)."""
         if not self.is_initialized:
