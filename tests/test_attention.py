@@ -79,6 +79,23 @@ def test_rows_do_not_depend_on_batch_or_key_layout(attention, dtype):
     assert torch.equal(in_tree, one_by_one)
 
 
+@NEEDS_KERNELS
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 96), (4, 2, 40), (6, 1, 64)])
+def test_a_query_head_does_not_depend_on_the_heads_beside_it(heads, kv_heads, dim):
+    """The kernel takes the query heads of a key/value head up to three at a time (three, two or one, and a head
+    dimension split in passes of 32 or 8 values): each head alone gives the bits it gives among the others."""
+    q, k, v = _qkv(rows=3, length=37, dtype=torch.float32, heads=heads, kv_heads=kv_heads, dim=dim)
+    visible = torch.rand(3, 37, generator=torch.Generator().manual_seed(1)) < 0.7
+    visible[:, 0] = True
+    mask = _additive(visible, torch.float32)
+    together, _ = fixed_order_attention(None, q, k, v, mask)
+    group = heads // kv_heads
+    for h in range(heads):
+        g = slice(h // group, h // group + 1)
+        alone, _ = fixed_order_attention(None, q[:, h : h + 1], k[:, g], v[:, g], mask)
+        assert torch.equal(alone[:, :, 0], together[:, :, h]), h
+
+
 def _small_engine(dtype: torch.dtype, kernels: str) -> Engine:
     """Big enough for oneDNN's one-row kernel to round differently from its batched one (intermediate 1536)."""
     torch.manual_seed(0)

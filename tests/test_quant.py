@@ -82,13 +82,13 @@ def test_quant_linear_multiplies_by_the_weights_its_groups_hold(kind, bias):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sizes", [(576, 1536), (1536, 576), (96, 45)])
 def test_rows_do_not_depend_on_how_many_rows_go_through_together(kind, sizes):
-    """A lone row takes another code path (weights dequantized in registers) than a batch (a dequantized tile): the
-    same operations per output, so the same bits, for any number of rows and threads."""
+    """Each number of rows up to eight takes its own code path (fewer rows: more output features side by side, and a
+    tail of single features): the same operations per output, so the same bits, for any number of rows and threads."""
     inputs, outputs = sizes
     layer = QuantLinear(quantize(_weight(outputs, inputs), kind), torch.randn(outputs))
     x = torch.randn(64, inputs, generator=torch.Generator().manual_seed(2))
     everything = layer(x)
-    for rows in (2, 3, 7, 8, 13, 24, 63):
+    for rows in (2, 3, 4, 5, 6, 7, 8, 13, 24, 63):
         assert torch.equal(layer(x[:rows]), everything[:rows]), rows
     for i in range(64):
         assert torch.equal(layer(x[i]), everything[i]), i
