@@ -22,6 +22,7 @@ from .quant import QuantLinear
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")
+MATMULS = (PROJECTIONS[:3], PROJECTIONS[3:4], PROJECTIONS[4:6], PROJECTIONS[6:])  # llama_forward's, per layer
 
 
 class FusedLlama:
@@ -87,11 +88,28 @@ def _projections_are_q4(layer: torch.nn.Module) -> bool:
 
 
 def _layer_tensors(layer: torch.nn.Module) -> list[torch.Tensor]:
+    """llama_forward's tensors for one layer: its norms, then the groups of q, k and v as one matmul, o, gate and up
+    as one, down (fewer, larger calls: each output feature is computed as in its own projection, so the same bits)."""
     tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    for name in PROJECTIONS:
-        projection = layer.get_submodule(name)
-        tensors += [projection.codes, projection.scales, projection.mins]
+    for names in MATMULS:
+        tensors += _stacked([layer.get_submodule(name) for name in names])
     return tensors
+
+
+def _stacked(projections: list[QuantLinear]) -> list[torch.Tensor]:
+    """The groups of projections that take the same input, stacked by output feature; the projections' own buffers
+    become views of them, so the weights are held once."""
+    parts = ("codes", "scales", "mins")
+    if len(projections) == 1:
+        return [getattr(projections[0], part) for part in parts]
+    stacked = [torch.cat([getattr(p, part) for p in projections]) for part in parts]
+    start = 0
+    for projection in projections:
+        end = start + projection.out_features
+        for part, tensor in zip(parts, stacked):
+            setattr(projection, part, tensor[start:end])
+        start = end
+    return stacked
 
 
 def _layers(cache: GrowingCache, count: int) -> list[GrowingLayer]:

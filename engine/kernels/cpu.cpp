@@ -427,13 +427,14 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return x * cos + at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin;
 }
 
-constexpr int64_t LAYER_TENSORS = 2 + 7 * 3;  // two norms; codes, scales, mins of q, k, v, o, gate, up, down
+// Two norms; codes, scales, mins of q, k and v stacked (one matmul), o, gate and up stacked, down.
+constexpr int64_t LAYER_TENSORS = 2 + 4 * 3;
 
 // transformers' LlamaModel after the embedding and the rotary tables (its decoder layers and final norm) over M new
 // tokens, op for op as transformers runs them on the engine's kernels (Q4_1 linear layers, fixed-order attention),
 // so that every output has the very same bits, without Python between the ~40 ops of a layer.
 // embeddings [1, M, E]; cos, sin [1, M, head_dim]; mask as attention() takes it (absent: causal); weights: per
-// layer LAYER_TENSORS tensors (input norm, post-attention norm, then the groups of each projection); caches: per
+// layer LAYER_TENSORS tensors (input norm, post-attention norm, then the groups of each matmul); caches: per
 // layer key and value buffers [1, Hkv, capacity, head_dim] with room for start + M positions, written at start.
 // Returns the final-norm hidden states [1, M, E], then the inputs of the layers listed in `capture`, in its order.
 std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
@@ -457,17 +458,22 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
     const auto project = [&](int which, const at::Tensor& x) {
       return q4_1_linear(x, w[2 + 3 * which], w[3 + 3 * which], w[4 + 3 * which], std::nullopt);
     };
-    const at::Tensor x = rms_norm(h, w[0], eps);
-    const at::Tensor q = rotate(project(0, x).view({1, rows, -1, head_dim}).transpose(1, 2), c, s);
-    const at::Tensor k = rotate(project(1, x).view({1, rows, -1, head_dim}).transpose(1, 2), c, s);
-    const at::Tensor v = project(2, x).view({1, rows, -1, head_dim}).transpose(1, 2);
     const at::Tensor &keys = caches[2 * layer], &values = caches[2 * layer + 1];
+    const at::Tensor x = rms_norm(h, w[0], eps);
+    const at::Tensor qkv = project(0, x);  // each output feature as q_proj, k_proj or v_proj alone computes it
+    const int64_t kv = keys.size(1) * head_dim, qf = qkv.size(-1) - 2 * kv;
+    const auto split_heads = [&](int64_t from, int64_t width) {
+      return qkv.narrow(-1, from, width).view({1, rows, -1, head_dim}).transpose(1, 2);
+    };
+    const at::Tensor q = rotate(split_heads(0, qf), c, s), k = rotate(split_heads(qf, kv), c, s);
+    const at::Tensor v = split_heads(qf + kv, kv);
     keys.slice(2, start, end).copy_(k);
     values.slice(2, start, end).copy_(v);
     const at::Tensor attended = attention(q, keys.slice(2, 0, end), values.slice(2, 0, end), mask, scale);
-    h = h + project(3, attended.reshape({1, rows, -1}).contiguous());
-    const at::Tensor y = rms_norm(h, w[1], eps);
-    h = h + project(6, at::silu(project(4, y)) * project(5, y));
+    h = h + project(1, attended.reshape({1, rows, -1}).contiguous());
+    const at::Tensor gate_up = project(2, rms_norm(h, w[1], eps));
+    const int64_t inner = gate_up.size(-1) / 2;
+    h = h + project(3, at::silu(gate_up.narrow(-1, 0, inner)) * gate_up.narrow(-1, inner, inner));
   }
   for (size_t i = 0; i < capture.size(); ++i)
     TORCH_CHECK(out[1 + i].defined(), "llama_forward: no layer ", capture[i], " to capture");
