@@ -23,7 +23,6 @@
 #include <cfloat>
 #include <cstdint>
 #include <numeric>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -47,7 +46,7 @@ __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                                      _mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
   const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(2, 0, 2, 0)),
                                     _mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));  // lanes: a0 a2 | a1 a3
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));  // sums: a0 a2 | a1 a3
 }
 
 __m256 bytes_to_float(__m128i eight_bytes_low, bool is_signed) {
@@ -93,8 +92,8 @@ struct Q8_0 {
 // would wait on each FMA's latency) and share each load of x. (Dequantizing a tile to memory first cost twice as much
 // for 2-16 rows; measured.)
 template <int ROWS, int FEATS, typename Format>
-__attribute__((always_inline)) inline void multiply_block(const float* x, const Format& format, int64_t n0, const float* bias, float* out,
-                    int64_t out_stride) {
+__attribute__((always_inline)) inline void multiply_block(const float* x, const Format& format, int64_t n0,
+                                                         const float* bias, float* out, int64_t out_stride) {
   const int64_t in = format.in;
   __m256 acc[ROWS * FEATS];
   for (int a = 0; a < ROWS * FEATS; ++a) acc[a] = _mm256_setzero_ps();
