@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <array>
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <vector>
@@ -413,17 +414,70 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   return out;
 }
 
-// transformers' LlamaRMSNorm, op for op.
+// transformers' LlamaRMSNorm, w * (x * rsqrt(mean(x^2) + eps)), each step rounded as torch rounds it: torch's own
+// mean (its reduction order), the rest by hand in one pass (pow(x, 2) is x * x and rsqrt is 1 / sqrt in torch too).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const at::Tensor wide = x.to(at::kFloat);
-  const at::Tensor variance = wide.pow(2).mean({-1}, /*keepdim=*/true);
-  return weight * (wide * at::rsqrt(variance + eps)).to(x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "rms_norm takes float32 inputs and weights");
+  const at::Tensor in = x.contiguous();
+  const int64_t width = in.size(-1), rows = in.numel() / width;
+  at::Tensor squares = at::empty_like(in), out = at::empty_like(in);
+  const float* xs = in.data_ptr<float>();
+  float *sq = squares.data_ptr<float>(), *os = out.data_ptr<float>();
+  for (int64_t i = 0; i < in.numel(); ++i) sq[i] = xs[i] * xs[i];
+  const at::Tensor variance = squares.mean({-1}, /*keepdim=*/true).contiguous();
+  const float *var = variance.data_ptr<float>(), *w = weight.data_ptr<float>(), e = static_cast<float>(eps);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float scale = 1.f / std::sqrt(var[r] + e);
+    for (int64_t j = 0; j < width; ++j) os[r * width + j] = w[j] * (xs[r * width + j] * scale);
+  }
+  return out;
 }
 
-// transformers' apply_rotary_pos_emb for one of q and k: x * cos + rotate_half(x) * sin.
+// transformers' apply_rotary_pos_emb for one of q and k, x * cos + rotate_half(x) * sin with each product rounded
+// before the sum as torch rounds them, from x [1, H, M, D] (D contiguous) into out (the same shape, any strides:
+// a slice of the cache). cos, sin: [M, D] after dropping leading ones.
+void rotate_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
+  const int64_t heads = x.size(1), rows = x.size(2), dim = x.size(3), half = dim / 2;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(3) == 1 && out.sizes() == x.sizes() && out.stride(3) == 1,
+              "rotate_into takes float32 [1, H, M, D] tensors with a contiguous last dimension");
+  const at::Tensor c = cos.reshape({rows, dim}).contiguous(), s = sin.reshape({rows, dim}).contiguous();
+  const float *cs = c.data_ptr<float>(), *ss = s.data_ptr<float>(), *xs = x.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *in = xs + h * x.stride(1) + r * x.stride(2), *cr = cs + r * dim, *sr = ss + r * dim;
+      float* o = os + h * out.stride(1) + r * out.stride(2);
+      for (int64_t d = 0; d < half; ++d) o[d] = in[d] * cr[d] + -in[d + half] * sr[d];
+      for (int64_t d = half; d < dim; ++d) o[d] = in[d] * cr[d] + in[d - half] * sr[d];
+    }
+}
+
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  return x * cos + at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin;
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rotate_into(x, cos, sin, out);
+  return out;
+}
+
+// h += y, in place (the residual stream: h + y is y + h, the same rounding either way).
+void add_into(at::Tensor& h, const at::Tensor& y) {
+  TORCH_CHECK(h.is_contiguous() && y.sizes() == h.sizes(), "add_into: a contiguous h and a y of its shape");
+  const at::Tensor ys = y.contiguous();
+  float* hs = h.data_ptr<float>();
+  const float* add = ys.data_ptr<float>();
+  for (int64_t i = 0; i < h.numel(); ++i) hs[i] += add[i];
+}
+
+// transformers' LlamaMLP's act_fn(gate) * up from the stacked gate and up outputs [.., 2 * inner]: torch's own SiLU
+// (its exp), the product by hand.
+at::Tensor gated(const at::Tensor& gate_up) {
+  const int64_t inner = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
+  at::Tensor act = at::silu(gate_up.narrow(-1, 0, inner)).contiguous();
+  const float* up = gate_up.data_ptr<float>() + inner;
+  float* a = act.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < inner; ++j) a[r * inner + j] *= up[r * 2 * inner + j];
+  return act;
 }
 
 // Two norms; codes, scales, mins of q, k and v stacked (one matmul), o, gate and up stacked, down.
@@ -447,32 +501,27 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
   for (const at::Tensor& buffer : caches)
     TORCH_CHECK(buffer.dim() == 4 && buffer.size(2) >= end, "llama_forward: a cache buffer holds fewer than ", end,
                 " positions");
-  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   std::vector<at::Tensor> out(1 + capture.size());
-  at::Tensor h = embeddings;
+  at::Tensor h = embeddings.contiguous().clone();  // the residual stream, added to in place
   for (int64_t layer = 0; layer < layers; ++layer) {
     for (size_t i = 0; i < capture.size(); ++i)
-      if (capture[i] == layer) out[1 + i] = h;
+      if (capture[i] == layer) out[1 + i] = h.clone();
     const at::Tensor* w = weights.data() + layer * LAYER_TENSORS;
     const auto project = [&](int which, const at::Tensor& x) {
       return q4_1_linear(x, w[2 + 3 * which], w[3 + 3 * which], w[4 + 3 * which], std::nullopt);
     };
     const at::Tensor &keys = caches[2 * layer], &values = caches[2 * layer + 1];
-    const at::Tensor x = rms_norm(h, w[0], eps);
-    const at::Tensor qkv = project(0, x);  // each output feature as q_proj, k_proj or v_proj alone computes it
+    const at::Tensor qkv = project(0, rms_norm(h, w[0], eps));  // each feature as q_proj, k_proj or v_proj gives it
     const int64_t kv = keys.size(1) * head_dim, qf = qkv.size(-1) - 2 * kv;
     const auto split_heads = [&](int64_t from, int64_t width) {
       return qkv.narrow(-1, from, width).view({1, rows, -1, head_dim}).transpose(1, 2);
     };
-    const at::Tensor q = rotate(split_heads(0, qf), c, s), k = rotate(split_heads(qf, kv), c, s);
-    const at::Tensor v = split_heads(qf + kv, kv);
-    keys.slice(2, start, end).copy_(k);
-    values.slice(2, start, end).copy_(v);
+    const at::Tensor q = rotate(split_heads(0, qf), cos, sin);
+    rotate_into(split_heads(qf, kv), cos, sin, keys.slice(2, start, end));
+    values.slice(2, start, end).copy_(split_heads(qf + kv, kv));
     const at::Tensor attended = attention(q, keys.slice(2, 0, end), values.slice(2, 0, end), mask, scale);
-    h = h + project(1, attended.reshape({1, rows, -1}).contiguous());
-    const at::Tensor gate_up = project(2, rms_norm(h, w[1], eps));
-    const int64_t inner = gate_up.size(-1) / 2;
-    h = h + project(3, at::silu(gate_up.narrow(-1, 0, inner)) * gate_up.narrow(-1, inner, inner));
+    add_into(h, project(1, attended.reshape({1, rows, -1})));
+    add_into(h, project(3, gated(project(2, rms_norm(h, w[1], eps)))));
   }
   for (size_t i = 0; i < capture.size(); ++i)
     TORCH_CHECK(out[1 + i].defined(), "llama_forward: no layer ", capture[i], " to capture");
