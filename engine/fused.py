@@ -3,10 +3,11 @@ transformers' own forward; likewise an EAGLE-3 head's layer on Q8_0 kernels (eag
 
 A decoding step of a small model on the CPU runs ~40 ops in each of its 30 layers, and transformers' modules spend
 more time in Python between them than the q4 matmuls take. llama_forward runs the very ops transformers runs, in the
-same order on the same kernels (Q4_1 linear layers, fixed-order attention, torch's own norm, rotary and SiLU ops),
-so hidden states, features and cache come out bit for bit as through the model (tests/test_fused.py), and plain
-decoding and EAGLE still run one model. Models it does not describe exactly keep transformers' forward. A draft
-round runs the head three or four times on a few rows, where the Python between ops cost more than the ops.
+same order on the same kernels (Q4_1 linear layers, fixed-order attention; norms, rotary and the residual stream by
+hand, each step rounded as torch rounds it, around torch's own mean and SiLU), so hidden states, features and cache
+come out bit for bit as through the model (tests/test_fused.py), and plain decoding and EAGLE still run one model.
+Models it does not describe exactly keep transformers' forward. A draft round runs the head three or four times on
+a few rows, where the Python between ops cost more than the ops.
 """
 from __future__ import annotations
 

@@ -94,7 +94,8 @@ def grow_dynamic(
     expander: Expander, root: int, root_hidden: torch.Tensor, top_k: int, depth: int, total_tokens: int
 ) -> DraftTree:
     """EAGLE-2: expand the top_k best nodes by cumulative draft log-prob for `depth` steps, keep the best
-    total_tokens - 1 candidates. Scores never grow along a path, so a kept node's parent is always kept."""
+    total_tokens - 1 candidates. Scores never grow along a path, so a kept node's parent is always kept; and a node
+    ranks behind all its ancestors (ties go to the earlier), so levels deeper than the kept count are never grown."""
     device = root_hidden.device
     logp = expander.log_probs(root_hidden[None])[0]
     scores, ids = logp.topk(top_k)
@@ -105,7 +106,7 @@ def grow_dynamic(
     hidden, tokens = root_hidden.expand(top_k, -1), all_tokens[0]
     fed = _FedNodes(expander, device)
     next_number = top_k + 1
-    for level in range(depth):
+    for level in range(min(depth, total_tokens - 2)):
         out = fed.feed(hidden, tokens, frontier_parent_rows, level)
         fed_rows = torch.arange(fed.rows.shape[0] - top_k, fed.rows.shape[0], device=device)
         child_scores, child_ids = expander.log_probs(out).topk(top_k, dim=-1)
@@ -176,7 +177,7 @@ class DynamicTree:
     round, small shallow trees win there; on a GPU, or with a better head, larger trees pay off.
     """
 
-    total_tokens: int = 4  # tree nodes including the root (the official `total_token`)
+    total_tokens: int = 2  # tree nodes including the root (the official `total_token`)
     depth: int = 1  # expansion steps: the tree reaches depth + 1 drafted levels
     top_k: int = 2  # children per expanded node
 

@@ -170,7 +170,8 @@ def tiny(s: Settings) -> list[dict]:
                 engine = Engine(model, conftest.IdsOnlyTokenizer(), conftest.random_head(model, kind))
                 for tree in ("dynamic", "static"):
                     rows.append(guarded(f"{shape} {kind} {tree} {dtype}",
-                                        lambda: compare(engine, prompt, s.tiny_tokens, tree=tree)))
+                                        lambda: compare(engine, prompt, s.tiny_tokens, tree=tree,
+                                                        **(conftest.BRANCHING if tree == "dynamic" else {}))))
     return rows
 
 

@@ -62,6 +62,11 @@ def tiny_engine(
     return Engine(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=pack)
 
 
+# A dynamic tree that branches and reaches three levels: lossless tests need tree rows that see different
+# ancestors (the default tree drafts a single token, the fastest on the development CPU).
+BRANCHING = dict(total_tokens=8, depth=2, draft_top_k=4)
+
+
 def tokens_of(steps) -> list[int]:
     return [t for s in steps for t in s.tokens]
 

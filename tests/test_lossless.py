@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from conftest import SHAPES, random_head, tiny_engine, tokens_of
+from conftest import BRANCHING, SHAPES, random_head, tiny_engine, tokens_of
 from engine import DecodeParams
 from engine.draft.checkpoint import save_head
 
@@ -17,7 +17,8 @@ NEW_TOKENS = 80
 def test_eagle_greedy_equals_vanilla(shape, kind, tree, prompt):
     engine = tiny_engine(shape, kind)
     vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=NEW_TOKENS))
-    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=NEW_TOKENS, tree=tree))
+    shape_options = BRANCHING if tree == "dynamic" else {}
+    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=NEW_TOKENS, tree=tree, **shape_options))
     assert tokens_of(steps) == vanilla
     assert sum(s.accepted for s in steps) > 0, "no draft was accepted: the test would not exercise tree paths"
     assert len(steps) < NEW_TOKENS

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SHAPES, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
+from conftest import BRANCHING, SHAPES, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
 from engine import Engine, kernels
 from engine.gguf_tensors import read_tensors
 from engine.models import embedded_gguf_path, load_base
@@ -142,7 +142,7 @@ def test_q4_engine_greedy_equals_vanilla(shape, kind, prompt):
     if model.config.hidden_size % 32 == 0:
         assert isinstance(model.get_output_embeddings(), QuantLinear)
     vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=80))
-    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=80))
+    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=80, **BRANCHING))
     assert tokens_of(steps) == vanilla
     assert sum(s.accepted for s in steps) > 0
 
@@ -169,5 +169,5 @@ def test_the_embedded_model_on_q4_kernels_decodes_losslessly():
     for text in ("Explain what a hash table is.", "Copy this list exactly: red, green, blue, cyan, magenta."):
         ids = engine.encode_chat([{"role": "user", "content": text}])
         vanilla = tokens_of(engine.generate(ids, method="vanilla", max_new_tokens=40))
-        for context in (True, False):
-            assert tokens_of(engine.generate(ids, method="eagle", max_new_tokens=40, context=context)) == vanilla
+        for context, tree in ((True, {}), (False, {}), (False, BRANCHING)):
+            assert tokens_of(engine.generate(ids, method="eagle", max_new_tokens=40, context=context, **tree)) == vanilla

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tokens_of
+from conftest import BRANCHING, tokens_of
 from engine import Engine, kernels
 from engine.draft.checkpoint import DEFAULT_HEAD
 from engine.models import load_base
@@ -65,17 +65,17 @@ def test_vanilla_equals_transformers_generate(engine_fp32):
 
 
 def test_eagle_greedy_equals_vanilla_with_real_acceptance(engine):
-    """In the default dtype: bfloat16 on this CPU, where verification was not exact before engine.attention."""
+    """In the default dtype (bfloat16 on a CPU that has it, else the q4 kernels), a branching tree."""
     forwards = produced = 0
     for text in _prompts(3):
         ids = engine.encode_chat([{"role": "user", "content": text}])
         vanilla = tokens_of(engine.generate(ids, method="vanilla", max_new_tokens=48))
-        steps = list(engine.generate(ids, method="eagle", max_new_tokens=48))
+        steps = list(engine.generate(ids, method="eagle", max_new_tokens=48, **BRANCHING))
         assert tokens_of(steps) == vanilla
         forwards += len(steps) - 1
         produced += len(vanilla) - 1
     tau = produced / forwards
-    assert tau > 1.5, f"τ {tau:.2f}: the shipped head should accept drafts (MT-bench, default tree, bf16: 1.96)"
+    assert tau > 1.5, f"τ {tau:.2f}: the shipped head should accept drafts (a branching tree)"
 
 
 def test_eagle_greedy_equals_vanilla_in_float32(engine_fp32):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from conftest import tiny_engine, tokens_of
+from conftest import BRANCHING, tiny_engine, tokens_of
 from engine.params import DecodeParams
 from engine.tree import DraftTree
 from engine.verify import Sampling, accept_sampling
@@ -121,7 +121,8 @@ def test_engine_samples_every_token_from_the_target_law(prompt):
     engine, sampling = tiny_engine("llama-h64-l8-gqa", "eagle3"), Sampling(0.8, top_p=0.95)
     u, pits, accepted = torch.Generator().manual_seed(0), [], 0
     for seed in range(30):
-        steps = list(engine.generate(prompt, DecodeParams(max_new_tokens=16, sampling=sampling, seed=seed)))
+        params = DecodeParams(max_new_tokens=16, sampling=sampling, seed=seed).with_options(**BRANCHING)
+        steps = list(engine.generate(prompt, params))
         accepted += sum(s.accepted for s in steps)
         tokens = tokens_of(steps)
         with torch.inference_mode():

@@ -11,7 +11,7 @@ from engine.draft.drafter import Drafter
 from engine.train.features import CachedFeatures, LiveFeatures, cache_features
 from engine.train.fit import FitConfig, Trainer, ttt_masks, ttt_unroll
 
-from conftest import IdsOnlyTokenizer
+from conftest import BRANCHING, IdsOnlyTokenizer
 
 V, H = 32, 64
 
@@ -111,12 +111,12 @@ def test_a_head_trained_on_a_known_rule_drafts_it_in_the_engine(tmp_path):
     trainer.save_head(tmp_path / "head")
     head = place_head(trainer.unwrapped, model)
     engine = Engine(model, IdsOnlyTokenizer(), head)
-    steps = list(engine.generate([15, 9, 11, 12], method="eagle", max_new_tokens=40))
+    steps = list(engine.generate([15, 9, 11, 12], method="eagle", max_new_tokens=40, **BRANCHING))
     tokens = [t for s in steps for t in s.tokens]
     assert tokens == [t for s in engine.generate([15, 9, 11, 12], method="vanilla", max_new_tokens=40) for t in s.tokens]
     assert tokens[:3] == [13, 14, 15]  # the rule
     tau = (len(tokens) - 1) / (len(steps) - 1)
-    assert tau >= 3.0, f"accepted length {tau:.2f}: the head did not learn the rule through the engine"
+    assert tau >= 4.0, f"accepted length {tau:.2f}: the head did not learn the rule through the engine"  # 4.88
 
 
 @pytest.mark.parametrize("cache", [False, True])

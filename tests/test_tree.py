@@ -171,7 +171,7 @@ class PathHead:
 
 
 @pytest.mark.parametrize("top_k,depth,total_tokens",
-                         [(1, 1, 2), (3, 2, 6), (4, 3, 10), (8, 5, 30), (5, 6, 200), (2, 7, 12)])
+                         [(1, 1, 2), (3, 2, 6), (4, 3, 10), (8, 5, 30), (5, 6, 200), (2, 7, 12), (3, 4, 4)])
 def test_dynamic_tree_is_eagle2s_best_scored_nodes(top_k, depth, total_tokens):
     for seed in range(3):
         head = PathHead(seed)
@@ -185,6 +185,8 @@ def test_dynamic_tree_is_eagle2s_best_scored_nodes(top_k, depth, total_tokens):
         assert set(paths) == set(expected), "the tree must hold exactly the best-scored candidates"
         assert tree.depths[1:].tolist() == [len(p) for p in paths]
         _assert_siblings_in_rank_order(head, tree)
+        # A node of depth d ranks behind its d - 1 ancestors: levels deeper than the kept count are not fed.
+        assert max(map(len, head.fed), default=0) == min(depth, total_tokens - 2)
 
 
 def _assert_siblings_in_rank_order(head: PathHead, tree) -> None:
