@@ -98,9 +98,9 @@ def _layer_tensors(layer: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _stacked(projections: list[QuantLinear]) -> list[torch.Tensor]:
-    """The groups of projections that take the same input, stacked by output feature; the projections' own buffers
-    become views of them, so the weights are held once."""
-    parts = ("codes", "scales", "mins")
+    """The groups of projections that take the same input (codes, scales and, for Q4_1, mins), stacked by output
+    feature; the projections' own buffers become views of them, so the weights are held once."""
+    parts = ("codes", "scales", "mins") if projections[0].kind == "Q4_1" else ("codes", "scales")
     if len(projections) == 1:
         return [getattr(projections[0], part) for part in parts]
     stacked = [torch.cat([getattr(p, part) for p in projections]) for part in parts]
@@ -129,8 +129,9 @@ class FusedEagle3:
         self.heads, self.head_dim = layer.self_attn.heads, layer.self_attn.head_dim
         self.eps = float(layer.input_layernorm.eps)
         norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
-        projections = [layer.get_submodule(name) for name in PROJECTIONS]
-        self.weights = [norm.weight for norm in norms] + [t for p in projections for t in (p.codes, p.scales)]
+        self.weights = [norm.weight for norm in norms]
+        for names in MATMULS:
+            self.weights += _stacked([layer.get_submodule(name) for name in names])
 
     @classmethod
     def of(cls, head) -> FusedEagle3 | None:

@@ -224,7 +224,7 @@ def test_bad_curve_sizes_are_refused(assets, capsys):
 
 
 @pytest.mark.parametrize("kernels", ["float", "q4"])
-def test_hf_runs_transformers_own_layers_whatever_the_engines_kernels(kernels):
+def test_hf_runs_transformers_own_layers_whatever_the_engines_kernels(kernels, tmp_path):
     """hf measures transformers itself: never the engine's packed or 4-bit layers (on q4 it once ran the engine's
     own model, and looked as fast as the engine)."""
     from engine import kernels as engine_kernels
@@ -235,6 +235,9 @@ def test_hf_runs_transformers_own_layers_whatever_the_engines_kernels(kernels):
     if kernels == "q4" and not engine_kernels.available():
         pytest.skip(f"engine/kernels: {engine_kernels.unavailable_reason()}")
     engine = Engine.load(head=None, kernels=kernels)
-    model = hf_model_for(build_parser().parse_args(["--methods", "hf"]), engine, ["hf"])
+    questions = tmp_path / "q.jsonl"  # a checkout without ../shared/bench must be able to run this too
+    questions.write_text('{"question_id": 1, "category": "writing", "turns": ["Hi"]}\n')
+    args = build_parser().parse_args(["--methods", "hf", "--questions", str(questions)])
+    model = hf_model_for(args, engine, ["hf"])
     assert model is not engine.model
     assert not any(isinstance(m, (PackedLinear, QuantLinear)) for m in model.modules())

@@ -529,13 +529,15 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
   return out;
 }
 
-constexpr int64_t HEAD_TENSORS = 3 + 7 * 2;  // three norms; codes and scales of q, k, v, o, gate, up, down
+constexpr int64_t HEAD_TENSORS = 3 + 4 * 2;  // three norms; codes and scales of q, k and v stacked, o, gate and up
+                                             // stacked, down
 
 // The EAGLE-3 head's decoder layer (engine/draft/eagle3.py Eagle3Layer with layers.py's Attention and MLP) on Q8_0
 // projections, op for op as the Python modules run it, so drafts come out with the same bits, without Python between
 // its ~35 ops. embeds and hidden [1, T, H]; cos, sin [T, head_dim]; past keys and values [1, Hkv, S, head_dim] or
-// absent; mask bool [1, 1, T, S + T]; weights: input norm, hidden norm, post-attention norm, then each projection's
-// groups. Returns the layer's output [1, T, H] and this call's keys and values.
+// absent; mask bool [1, 1, T, S + T]; weights: input norm, hidden norm, post-attention norm, then the groups of each
+// matmul (each output feature computed as in its own projection). Returns the layer's output [1, T, H] and this
+// call's keys and values.
 std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
                                      const at::Tensor& sin, const std::optional<at::Tensor>& past_keys,
                                      const std::optional<at::Tensor>& past_values, const at::Tensor& mask,
@@ -548,9 +550,13 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
     return q8_0_linear(x, weights[3 + 2 * which], weights[4 + 2 * which], std::nullopt);
   };
   const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(hidden, weights[1], eps)}, -1);
-  const at::Tensor q = rotate(project(0, x).view({1, rows, heads, head_dim}).transpose(1, 2), cos, sin);
-  const at::Tensor k = rotate(project(1, x).view({1, rows, -1, head_dim}).transpose(1, 2), cos, sin);
-  const at::Tensor v = project(2, x).view({1, rows, -1, head_dim}).transpose(1, 2);
+  const at::Tensor qkv = project(0, x);
+  const int64_t qf = heads * head_dim, kv = (qkv.size(-1) - qf) / 2;
+  const auto split_heads = [&](int64_t from, int64_t width) {
+    return qkv.narrow(-1, from, width).view({1, rows, -1, head_dim}).transpose(1, 2);
+  };
+  const at::Tensor q = rotate(split_heads(0, qf), cos, sin), k = rotate(split_heads(qf, kv), cos, sin);
+  const at::Tensor v = split_heads(qf + kv, kv).contiguous();
   const at::Tensor keys = past_keys.has_value() ? at::cat({*past_keys, k}, 2) : k;
   const at::Tensor values = past_values.has_value() ? at::cat({*past_values, v}, 2) : v;
   // layers.attend: query heads sharing a key/value head become rows of one attention, the mask repeated for each.
@@ -563,9 +569,8 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
     const at::Tensor repeated = mask.unsqueeze(2).expand({-1, -1, groups, -1, -1}).flatten(2, 3);
     attended = at::scaled_dot_product_attention(grouped, keys, values, repeated).view({1, heads, rows, head_dim});
   }
-  const at::Tensor after = hidden + project(3, attended.transpose(1, 2).reshape({1, rows, -1}));
-  const at::Tensor y = rms_norm(after, weights[2], eps);
-  return {after + project(6, at::silu(project(4, y)) * project(5, y)), k, v};
+  const at::Tensor after = hidden + project(1, attended.transpose(1, 2).reshape({1, rows, -1}));
+  return {after + project(3, gated(project(2, rms_norm(after, weights[2], eps)))), k, v};
 }
 
 }  // namespace
