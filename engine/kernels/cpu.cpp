@@ -459,6 +459,11 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// Features [from, from + width) of a stacked q, k, v matmul's output [1, M, F] as heads [1, H, M, head_dim] (a view).
+at::Tensor split_heads(const at::Tensor& qkv, int64_t from, int64_t width, int64_t head_dim) {
+  return qkv.narrow(-1, from, width).view({1, qkv.size(1), -1, head_dim}).transpose(1, 2);
+}
+
 // h += y, in place (the residual stream: h + y is y + h, the same rounding either way).
 void add_into(at::Tensor& h, const at::Tensor& y) {
   TORCH_CHECK(h.is_contiguous() && y.sizes() == h.sizes(), "add_into: a contiguous h and a y of its shape");
@@ -513,12 +518,9 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
     const at::Tensor &keys = caches[2 * layer], &values = caches[2 * layer + 1];
     const at::Tensor qkv = project(0, rms_norm(h, w[0], eps));  // each feature as q_proj, k_proj or v_proj gives it
     const int64_t kv = keys.size(1) * head_dim, qf = qkv.size(-1) - 2 * kv;
-    const auto split_heads = [&](int64_t from, int64_t width) {
-      return qkv.narrow(-1, from, width).view({1, rows, -1, head_dim}).transpose(1, 2);
-    };
-    const at::Tensor q = rotate(split_heads(0, qf), cos, sin);
-    rotate_into(split_heads(qf, kv), cos, sin, keys.slice(2, start, end));
-    values.slice(2, start, end).copy_(split_heads(qf + kv, kv));
+    const at::Tensor q = rotate(split_heads(qkv, 0, qf, head_dim), cos, sin);
+    rotate_into(split_heads(qkv, qf, kv, head_dim), cos, sin, keys.slice(2, start, end));
+    values.slice(2, start, end).copy_(split_heads(qkv, qf + kv, kv, head_dim));
     const at::Tensor attended = attention(q, keys.slice(2, 0, end), values.slice(2, 0, end), mask, scale);
     add_into(h, project(1, attended.reshape({1, rows, -1})));
     add_into(h, project(3, gated(project(2, rms_norm(h, w[1], eps)))));
@@ -552,11 +554,9 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
   const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(hidden, weights[1], eps)}, -1);
   const at::Tensor qkv = project(0, x);
   const int64_t qf = heads * head_dim, kv = (qkv.size(-1) - qf) / 2;
-  const auto split_heads = [&](int64_t from, int64_t width) {
-    return qkv.narrow(-1, from, width).view({1, rows, -1, head_dim}).transpose(1, 2);
-  };
-  const at::Tensor q = rotate(split_heads(0, qf), cos, sin), k = rotate(split_heads(qf, kv), cos, sin);
-  const at::Tensor v = split_heads(qf + kv, kv).contiguous();
+  const at::Tensor q = rotate(split_heads(qkv, 0, qf, head_dim), cos, sin);
+  const at::Tensor k = rotate(split_heads(qkv, qf, kv, head_dim), cos, sin);
+  const at::Tensor v = split_heads(qkv, qf + kv, kv, head_dim);
   const at::Tensor keys = past_keys.has_value() ? at::cat({*past_keys, k}, 2) : k;
   const at::Tensor values = past_values.has_value() ? at::cat({*past_values, v}, 2) : v;
   // layers.attend: query heads sharing a key/value head become rows of one attention, the mask repeated for each.
