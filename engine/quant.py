@@ -21,12 +21,12 @@ from transformers import PreTrainedModel
 
 from . import kernels
 from .gguf_tensors import BLOCK_BYTES, read_tensors
-from .models import _source, auto_dtype, on_gpu
+from .models import _source, on_gpu
 
 GROUP = 32
 KERNELS = ("auto", "float", "q4")
 KERNELS_HELP = ("the CPU linear layers: float = oneDNN-packed float weights, q4 = a GGUF's 4-bit groups as they are "
-                "(engine/kernels; faster here, see README), auto = q4 for a GGUF base on a CPU without native bf16, "
+                "(engine/kernels; faster, see README), auto = q4 for a GGUF base on the CPU in float32 or dtype auto, "
                 "else float")
 log = logging.getLogger(__name__)
 
@@ -190,15 +190,13 @@ def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str 
 def resolve_kernels(kernels: str, device: str, dtype: str, pack: bool, quantization: str, gguf: Path | None) -> str:
     """Engine.load's kernels=: "float" (oneDNN-packed float layers, engine.packed), "q4" (QuantLinear layers: a
     GGUF base's own groups; another base quantized to Q4_1 with its LM head in Q8_0, which changes the model), or
-    "auto": q4 for a GGUF base where the float path would run float32 (a CPU without native bf16) and the kernels
-    build, since there it decodes the same weights faster, plain and with EAGLE (README, "The q4 kernels");
-    float elsewhere (bf16 halves the bytes the float path reads where the CPU has it)."""
+    "auto": q4 for a GGUF base on the CPU (dtype auto or float32) where the kernels build: it decodes the file's
+    own weights several times faster than the float path, also where the CPU multiplies bf16 natively (README,
+    "The q4 kernels"); float elsewhere (another base would be changed by quantizing it)."""
     if kernels not in KERNELS:
         raise ValueError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
     if kernels == "auto":
-        float_dtype = auto_dtype(device, quantization, pack) if dtype == "auto" else dtype
-        usable = gguf is not None and float_dtype == "float32" and not _q4_unusable(device, dtype, pack, quantization)
-        return "q4" if usable else "float"
+        return "q4" if gguf is not None and not _q4_unusable(device, dtype, pack, quantization) else "float"
     reason = _q4_unusable(device, dtype, pack, quantization) if kernels == "q4" else None
     if reason:
         raise ValueError(f"kernels='q4' cannot run here: {reason}")

@@ -55,6 +55,9 @@ def meter(page: Page) -> dict[str, str]:
     )
 
 
+# Playwright polls on every animation frame by default, running script in the page 60 times a second: on a
+# 2-core machine that took a share of a core from the decoder a user's browser does not lose.
+POLL_MS = 200
 _ANSWERED = """n => document.querySelectorAll('#chat div.eagle-answer').length > n
     && document.querySelector('#meter .meter').dataset.state === 'idle'"""
 
@@ -65,7 +68,7 @@ def answered(page: Page, answers_before: int) -> bool:
 
 
 def wait_for_answer(page: Page, answers_before: int, timeout_s: float = 120) -> None:
-    page.wait_for_function(_ANSWERED, arg=answers_before, timeout=timeout_s * 1000)
+    page.wait_for_function(_ANSWERED, arg=answers_before, timeout=timeout_s * 1000, polling=POLL_MS)
 
 
 def last_answer_text(page: Page) -> str:

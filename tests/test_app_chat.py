@@ -199,8 +199,7 @@ def test_stop_keeps_the_partial_answer_and_says_so(handlers, service):
     conversation = Conversation()
     handlers.add_message("Tell me a story", conversation)
     updates = handlers.answer(conversation, True, **settings(max_new_tokens=1000, method="vanilla"))
-    for _ in range(2):
-        next(updates)
+    next(updates)  # the first round's update: a second one, half a second later, may find the answer finished
     updates.close()  # Gradio closes the generator when Stop cancels the event
     assert not conversation.busy and service.active == 0
     kept = len(conversation.last_answer().answer.ids)

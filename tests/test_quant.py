@@ -10,7 +10,6 @@ from conftest import BRANCHING, SHAPES, IdsOnlyTokenizer, random_head, tiny_base
 from engine import Engine, kernels
 from engine.gguf_tensors import read_tensors
 from engine.models import embedded_gguf_path, load_base
-from engine.packed import bf16_native
 from engine.quant import QuantLinear, gguf_groups, groups_from_blocks, quantize, quantize_linears, resolve_kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/kernels: {kernels.unavailable_reason()}")
@@ -121,15 +120,16 @@ def test_kernels_are_chosen_or_refused_with_a_reason(tmp_path):
         resolve_kernels("q4", "cuda", "auto", True, "none", gguf)
 
 
-def test_auto_kernels_take_a_gguf_bases_own_groups_where_the_float_path_runs_float32(tmp_path):
-    """auto: q4 for a GGUF base when the float path would run float32 (no native bf16), float otherwise: for
-    another base (quantizing would change the model), in bfloat16, unpacked, or with bitsandbytes."""
-    gguf, float32_here = tmp_path / "model.gguf", not bf16_native()
-    assert resolve_kernels("auto", "cpu", "auto", True, "none", gguf) == ("q4" if float32_here else "float")
+def test_auto_kernels_take_a_gguf_bases_own_groups_on_the_cpu(tmp_path):
+    """auto: q4 for a GGUF base on the CPU, with or without native bf16, float otherwise: for another base
+    (quantizing would change the model), in bfloat16, unpacked, with bitsandbytes, or on a GPU."""
+    gguf = tmp_path / "model.gguf"
+    assert resolve_kernels("auto", "cpu", "auto", True, "none", gguf) == "q4"
     assert resolve_kernels("auto", "cpu", "float32", True, "none", gguf) == "q4"
     for dtype, pack, quantization, base in (("auto", True, "none", None), ("bfloat16", True, "none", gguf),
                                             ("auto", False, "none", gguf), ("auto", True, "4bit", gguf)):
         assert resolve_kernels("auto", "cpu", dtype, pack, quantization, base) == "float", (dtype, pack, base)
+    assert resolve_kernels("auto", "cuda", "auto", True, "none", gguf) == "float"
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -1,5 +1,6 @@
 """End to end on the embedded SmolLM2-135M-Instruct with the shipped EAGLE-3 head (and the EAGLE-1 comparison head),
-in the default dtype (bfloat16 on CPUs with native bf16) and in float32; the q4 kernels on it: tests/test_quant.py."""
+on the default engine (the GGUF's own groups on the q4 kernels where they build), on the float path in float32,
+and in bfloat16 on CPUs that multiply it natively; more on the q4 kernels: tests/test_quant.py."""
 import json
 from pathlib import Path
 
@@ -46,11 +47,10 @@ def test_default_engine_has_the_shipped_eagle3_head(engine):
     assert engine.head is not None and engine.head.kind == "eagle3"
     if packing_available():  # the CPU fast path is what the default engine decodes with, so the tests cover it
         assert engine.batch_invariant
-        if bf16_native():  # the float path in bfloat16
-            assert engine.kernels == "float" and engine.packed_layers > 0
-            assert engine.model.dtype == engine.head.fc.weight.dtype == torch.bfloat16
-        elif kernels.available():  # the float path would run float32: the GGUF's own groups, one call a forward
+        if kernels.available():  # the GGUF's own groups, one kernel call a forward
             assert engine.kernels == "q4" and engine.quantized_layers > 0 and engine.target.fused is not None
+        else:
+            assert engine.kernels == "float" and engine.packed_layers > 0
 
 
 def test_vanilla_equals_transformers_generate(engine_fp32):
@@ -65,7 +65,7 @@ def test_vanilla_equals_transformers_generate(engine_fp32):
 
 
 def test_eagle_greedy_equals_vanilla_with_real_acceptance(engine):
-    """In the default dtype (bfloat16 on a CPU that has it, else the q4 kernels), a branching tree."""
+    """On the default engine, a branching tree."""
     forwards = produced = 0
     for text in _prompts(3):
         ids = engine.encode_chat([{"role": "user", "content": text}])
@@ -83,6 +83,18 @@ def test_eagle_greedy_equals_vanilla_in_float32(engine_fp32):
         ids = engine_fp32.encode_chat([{"role": "user", "content": text}])
         vanilla = tokens_of(engine_fp32.generate(ids, method="vanilla", max_new_tokens=48))
         assert tokens_of(engine_fp32.generate(ids, method="eagle", max_new_tokens=48)) == vanilla
+
+
+@pytest.mark.skipif(not bf16_native(), reason="the float path runs bfloat16 only where the CPU multiplies it natively")
+def test_eagle_greedy_equals_vanilla_in_bfloat16():
+    engine = Engine.load(dtype="bfloat16", kernels="float")
+    assert engine.model.dtype == engine.head.fc.weight.dtype == torch.bfloat16 and engine.packed_layers > 0
+    for text in _prompts(2):
+        ids = engine.encode_chat([{"role": "user", "content": text}])
+        vanilla = tokens_of(engine.generate(ids, method="vanilla", max_new_tokens=48))
+        steps = list(engine.generate(ids, method="eagle", max_new_tokens=48, **BRANCHING))
+        assert tokens_of(steps) == vanilla
+        assert sum(s.accepted for s in steps) > 0, "the head accepted no draft in bfloat16"
 
 
 def test_shipped_eagle1_head_is_lossless_with_real_acceptance(engine):
