@@ -11,7 +11,7 @@ from engine.tools.bench import METHODS, main
 from engine.tools.report import exactness_warnings, print_table, summarize
 from engine.tools.runs import Run
 from engine.draft.checkpoint import new_head, save_head
-from engine.models import load_tokenizer
+from engine.models import auto_dtype, load_tokenizer
 
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a haiku about the sea.", "Now a longer one."]},
@@ -241,3 +241,7 @@ def test_hf_runs_transformers_own_layers_whatever_the_engines_kernels(kernels, t
     model = hf_model_for(args, engine, ["hf"])
     assert model is not engine.model
     assert not any(isinstance(m, (PackedLinear, QuantLinear)) for m in model.modules())
+    # in transformers' faster dtype: the engine's on the float path; beside q4 (float32 for the kernels' sake)
+    # the one the float path would take, bfloat16 where the CPU multiplies it natively
+    expected = auto_dtype("cpu") if kernels == "q4" else str(engine.model.dtype).removeprefix("torch.")
+    assert str(model.dtype).removeprefix("torch.") == expected

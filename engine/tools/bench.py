@@ -7,7 +7,8 @@ Methods:
   suffix   the engine drafting from the context alone (what followed the longest earlier match of the text's end,
            engine/context.py): no head needed
   hf       transformers `generate` on the same model, as transformers runs it (stock layers, SDPA attention), in
-           the engine's dtype or --hf-dtype's (say float32, transformers' fastest on a CPU where the engine runs bf16)
+           the engine's dtype (beside the q4 kernels: bfloat16 on a CPU with native bf16, transformers' faster
+           dtype there, else float32) or --hf-dtype's
   hf-pld   transformers prompt lookup decoding (prompt_lookup_num_tokens=10)
   llama.cpp  (only when named in --methods) llama.cpp itself (xllamacpp, requirements-bench.txt) on the same GGUF file,
            the same prompt ids, greedy, with the engine's thread count: the runner a CPU user would pick. Its own
@@ -52,7 +53,7 @@ from tqdm import tqdm
 
 from ..draft.checkpoint import DEFAULT_HEAD
 from ..engine import Engine
-from ..models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, load_base
+from ..models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, auto_dtype, load_base
 from ..params import METHODS as ENGINE_METHODS
 from ..params import DecodeParams
 from ..tree import TREES, DynamicTree
@@ -153,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the engine with this head, as method NAME (repeatable)")
     add("--dtype", default="auto", choices=["auto", *DTYPES],
         help="dtype of the base model; auto: bfloat16 on a CPU with native bf16, else float32")
-    add("--hf-dtype", choices=list(DTYPES), help="dtype for hf and hf-pld (default: the engine's)")
+    add("--hf-dtype", choices=list(DTYPES), help="dtype for hf and hf-pld (default: the engine's; beside the q4 kernels, "
+        "bfloat16 on a CPU with native bf16, else float32)")
     add("--device", default=DEFAULT_DEVICE, help="cpu, cuda, cuda:N, or auto (GPUs if any, else the CPU)")
     add("--quantization", default="none", choices=QUANTIZATIONS, help="bitsandbytes weights")
     add("--tree", default="dynamic", choices=list(TREES), help="EAGLE-2 dynamic or EAGLE-1 static")
@@ -218,7 +220,7 @@ def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
 def hf_model_for(args: argparse.Namespace, engine: Engine, methods: list[str]) -> PreTrainedModel:
     """transformers' own model for hf and hf-pld: a second, stock copy when the engine replaced layers of its own
     (packed or q4) or the hf methods run in another dtype."""
-    hf_dtype = args.hf_dtype or _dtype_name(engine)
+    hf_dtype = hf_dtype_for(args, engine)
     replaced = engine.packed_layers or engine.quantized_layers
     if {"hf", "hf-pld"} & set(methods) and (replaced or hf_dtype != _dtype_name(engine)):
         return load_base(args.base, dtype=hf_dtype, device=args.device, quantization=args.quantization)[0]
@@ -236,6 +238,14 @@ def llama_cpp_for(args: argparse.Namespace, engine: Engine, methods: list[str],
                          "embedded model")
     context = max(map(len, prompts)) + args.max_new_tokens
     return LlamaCpp(path, threads=torch.get_num_threads(), context=context, stop_ids=engine.stop_ids)
+
+
+def hf_dtype_for(args: argparse.Namespace, engine: Engine) -> str:
+    """--hf-dtype, else the engine's dtype, except beside the q4 kernels (float32 for their sake, not the CPU's):
+    there transformers runs in the dtype the float path would take, bfloat16 where the CPU has it (its faster one)."""
+    if args.hf_dtype:
+        return args.hf_dtype
+    return auto_dtype(args.device, args.quantization) if engine.kernels == "q4" else _dtype_name(engine)
 
 
 def _dtype_name(engine: Engine) -> str:
@@ -271,7 +281,7 @@ def build_report(args: argparse.Namespace, setup: Setup, engine: Engine, prompts
         "base": args.base or "embedded SmolLM2-135M-Instruct",
         "head": (str(DEFAULT_HEAD) if args.head == "default" else args.head) if engine.head else None,
         "compare_heads": setup.compare_heads, "dtype": _dtype_name(engine), "kernels": engine.kernels,
-        "hf_dtype": (args.hf_dtype or _dtype_name(engine)) if hf_methods else None, "device": args.device,
+        "hf_dtype": hf_dtype_for(args, engine) if hf_methods else None, "device": args.device,
         "questions": str(args.questions), "count": len(setup.questions), "methods": methods,
         "date": datetime.now().astimezone().isoformat(sep=" ", timespec="minutes"), "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": torch.get_num_threads(), "packed": args.pack,
