@@ -99,6 +99,26 @@ def test_rows_do_not_depend_on_how_many_rows_go_through_together(kind, sizes):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not kernels.available() or torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="the AVX-512 path needs engine/kernels on a CPU with AVX-512")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("sizes", [(576, 1536), (1536, 576), (96, 45)])
+def test_the_avx512_path_gives_the_8_lane_paths_bits(kind, sizes):
+    """Two output features to a 16-lane vector, lane for lane the 8-lane path's operations: the same model on a CPU
+    with AVX-512 as on one with AVX2 alone, for every row count (each takes its own code path)."""
+    inputs, outputs = sizes
+    layer = QuantLinear(quantize(_weight(outputs, inputs), kind), torch.randn(outputs))
+    x = torch.randn(64, inputs, generator=torch.Generator().manual_seed(3))
+    try:
+        for rows in (*range(1, 10), 13, 24, 64):
+            torch.ops.eagle_cpu.set_wide(True)
+            wide = layer(x[:rows])
+            torch.ops.eagle_cpu.set_wide(False)
+            assert torch.equal(wide, layer(x[:rows])), rows
+    finally:
+        torch.ops.eagle_cpu.set_wide(True)
+
+
 def test_quantize_linears_replaces_float32_linears_whose_inputs_come_in_groups():
     model = nn.Sequential(nn.Linear(64, 8), nn.Linear(48, 8), nn.Linear(32, 8).half(), nn.Linear(96, 8))
     assert quantize_linears(model) == 2

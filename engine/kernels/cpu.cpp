@@ -1,4 +1,5 @@
-// CPU kernels whose every output row is a function of its own input row only (AVX2 + FMA, float32).
+// CPU kernels whose every output row is a function of its own input row only (AVX2 + FMA, float32; AVX-512 where
+// the CPU has it, with the same bits).
 //
 // Greedy speculative decoding is exact when a tree forward scores each node with the same bits as one-token
 // decoding. Here every output element is computed by one thread with one fixed sequence of operations that does not
@@ -23,6 +24,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -55,6 +57,22 @@ __m256 bytes_to_float(__m128i eight_bytes_low, bool is_signed) {
   return _mm256_cvtepi32_ps(wide);
 }
 
+// AVX-512 where the CPU has it: two output features in one 16-lane vector, each lane making the very operations
+// of the 8-lane path (same loads, conversions, FMAs in the same order, the same hsum of each half), so a result has
+// the same bits on either path and on any x86 CPU (tests/test_quant.py compares them); half the instructions.
+#define WIDE __attribute__((target("avx512f,avx512dq")))
+
+WIDE __m128i two_halves(const void* low, const void* high) {  // 8 bytes from each
+  int64_t a, b;
+  std::memcpy(&a, low, 8);
+  std::memcpy(&b, high, 8);
+  return _mm_set_epi64x(b, a);
+}
+
+WIDE __m512 halves(float low, float high) {
+  return _mm512_insertf32x8(_mm512_set1_ps(low), _mm256_set1_ps(high), 1);
+}
+
 // Part p (elements 8p..8p+7) of the 32 weights of group g of one output feature, dequantized into float32.
 // Q4_1: 16 bytes per group, byte j holding element j (low nibble) and element j + 16 (high nibble).
 struct Q4_1 {
@@ -71,6 +89,15 @@ struct Q4_1 {
     const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(0x0F)));
     return _mm256_fmadd_ps(q, _mm256_set1_ps(scales[at]), _mm256_set1_ps(mins[at]));
   }
+  // part() of features `row` (lanes 0-7) and `row + 1` (lanes 8-15) in one vector: lane for lane the same operations.
+  WIDE __m512 pair(int64_t row, int64_t g, int p) const {
+    const int64_t at = row * (in / GROUP) + g, next = at + in / GROUP;
+    const __m512i wide = _mm512_cvtepu8_epi32(two_halves(codes + at * GROUP / 2 + (p & 1) * 8,
+                                                         codes + next * GROUP / 2 + (p & 1) * 8));
+    const __m512i nibbles = p >= 2 ? _mm512_srli_epi32(wide, 4) : wide;
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(nibbles, _mm512_set1_epi32(0x0F)));
+    return _mm512_fmadd_ps(q, halves(scales[at], scales[next]), halves(mins[at], mins[next]));
+  }
 };
 
 // Q8_0: 32 signed bytes per group.
@@ -83,6 +110,11 @@ struct Q8_0 {
     const int64_t at = row * (in / GROUP) + g;
     const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + at * GROUP + p * 8));
     return _mm256_mul_ps(bytes_to_float(raw, true), _mm256_set1_ps(scales[at]));
+  }
+  WIDE __m512 pair(int64_t row, int64_t g, int p) const {
+    const int64_t at = row * (in / GROUP) + g, next = at + in / GROUP;
+    const __m512i wide = _mm512_cvtepi8_epi32(two_halves(codes + at * GROUP + p * 8, codes + next * GROUP + p * 8));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), halves(scales[at], scales[next]));
   }
 };
 
@@ -111,6 +143,49 @@ __attribute__((always_inline)) inline void multiply_block(const float* x, const 
     for (int f = 0; f < FEATS; ++f) out[i * out_stride + f] = hsum(acc[i * FEATS + f]) + (bias ? bias[f] : 0.f);
 }
 
+// multiply_block for 2 * PAIRS features, two to a vector.
+template <int ROWS, int PAIRS, typename Format>
+WIDE __attribute__((always_inline)) inline void multiply_pairs(const float* x, const Format& format, int64_t n0,
+                                                               const float* bias, float* out, int64_t out_stride) {
+  const int64_t in = format.in;
+  __m512 acc[ROWS * PAIRS];
+  for (int a = 0; a < ROWS * PAIRS; ++a) acc[a] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < in / GROUP; ++g)
+    for (int part = 0; part < 4; ++part) {
+      __m512 xv[ROWS];
+      for (int i = 0; i < ROWS; ++i) xv[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * in + g * GROUP + 8 * part));
+      for (int f = 0; f < PAIRS; ++f) {
+        const __m512 w = format.pair(n0 + 2 * f, g, part);
+        for (int i = 0; i < ROWS; ++i) acc[i * PAIRS + f] = _mm512_fmadd_ps(xv[i], w, acc[i * PAIRS + f]);
+      }
+    }
+  for (int i = 0; i < ROWS; ++i)
+    for (int f = 0; f < PAIRS; ++f) {
+      const __m512 a = acc[i * PAIRS + f];
+      out[i * out_stride + 2 * f] = hsum(_mm512_castps512_ps256(a)) + (bias ? bias[2 * f] : 0.f);
+      out[i * out_stride + 2 * f + 1] = hsum(_mm512_extractf32x8_ps(a, 1)) + (bias ? bias[2 * f + 1] : 0.f);
+    }
+}
+
+template <int ROWS, typename Format>
+WIDE void multiply_tile_wide(const float* x, const Format& format, int64_t n0, int64_t valid, const float* bias,
+                             float* out, int64_t out_stride) {
+  constexpr int PAIRS = ROWS <= 4 ? 2 : 1;  // measured on Zen 5, 1-8 rows
+  int64_t f = 0;
+  for (; f + 2 * PAIRS <= valid; f += 2 * PAIRS)
+    multiply_pairs<ROWS, PAIRS>(x, format, n0 + f, bias ? bias + f : nullptr, out + f, out_stride);
+  for (; f + 2 <= valid; f += 2)
+    multiply_pairs<ROWS, 1>(x, format, n0 + f, bias ? bias + f : nullptr, out + f, out_stride);
+  for (; f < valid; ++f) multiply_block<ROWS, 1>(x, format, n0 + f, bias ? bias + f : nullptr, out + f, out_stride);
+}
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return has;
+}
+
+bool use_wide = cpu_has_avx512();  // eagle_cpu::set_wide turns it off for tests
+
 // ROWS rows against the tile's `valid` features, FEATS at a time (the fewer rows, the more side by side).
 template <int ROWS, typename Format>
 void multiply_tile(const float* x, const Format& format, int64_t n0, int64_t valid, const float* bias, float* out,
@@ -122,22 +197,33 @@ void multiply_tile(const float* x, const Format& format, int64_t n0, int64_t val
   for (; f < valid; ++f) multiply_block<ROWS, 1>(x, format, n0 + f, bias ? bias + f : nullptr, out + f, out_stride);
 }
 
-// Every row through multiply_tile, eight at a time.
+template <int ROWS, typename Format>
+void tile(bool wide, const float* x, const Format& format, int64_t n0, int64_t valid, const float* bias, float* out,
+          int64_t out_stride) {
+  if (wide) {
+    multiply_tile_wide<ROWS>(x, format, n0, valid, bias, out, out_stride);
+  } else {
+    multiply_tile<ROWS>(x, format, n0, valid, bias, out, out_stride);
+  }
+}
+
+// Every row through a tile, eight at a time.
 template <typename Format>
 void multiply_rows(const float* x, int64_t rows, const Format& format, int64_t n0, int64_t valid, const float* bias,
                    float* out, int64_t out_stride) {
+  const bool wide = use_wide;
   for (int64_t i = 0; i < rows; i += 8) {
     const float* xi = x + i * format.in;
     float* o = out + i * out_stride;
     switch (std::min<int64_t>(8, rows - i)) {
-      case 1: multiply_tile<1>(xi, format, n0, valid, bias, o, out_stride); break;
-      case 2: multiply_tile<2>(xi, format, n0, valid, bias, o, out_stride); break;
-      case 3: multiply_tile<3>(xi, format, n0, valid, bias, o, out_stride); break;
-      case 4: multiply_tile<4>(xi, format, n0, valid, bias, o, out_stride); break;
-      case 5: multiply_tile<5>(xi, format, n0, valid, bias, o, out_stride); break;
-      case 6: multiply_tile<6>(xi, format, n0, valid, bias, o, out_stride); break;
-      case 7: multiply_tile<7>(xi, format, n0, valid, bias, o, out_stride); break;
-      default: multiply_tile<8>(xi, format, n0, valid, bias, o, out_stride);
+      case 1: tile<1>(wide, xi, format, n0, valid, bias, o, out_stride); break;
+      case 2: tile<2>(wide, xi, format, n0, valid, bias, o, out_stride); break;
+      case 3: tile<3>(wide, xi, format, n0, valid, bias, o, out_stride); break;
+      case 4: tile<4>(wide, xi, format, n0, valid, bias, o, out_stride); break;
+      case 5: tile<5>(wide, xi, format, n0, valid, bias, o, out_stride); break;
+      case 6: tile<6>(wide, xi, format, n0, valid, bias, o, out_stride); break;
+      case 7: tile<7>(wide, xi, format, n0, valid, bias, o, out_stride); break;
+      default: tile<8>(wide, xi, format, n0, valid, bias, o, out_stride);
     }
   }
 }
@@ -575,7 +661,15 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
 
 }  // namespace
 
+// Whether the linear layers take the AVX-512 path (on a CPU that has it); returns the setting it replaces.
+bool set_wide(bool wide) {
+  const bool before = use_wide;
+  use_wide = wide && cpu_has_avx512();
+  return before;
+}
+
 TORCH_LIBRARY(eagle_cpu, m) {
+  m.def("set_wide(bool wide) -> bool", &set_wide);
   m.def("q4_1_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
