@@ -52,8 +52,8 @@ def engine_status(page) -> dict[str, int]:
 
 
 def test_answer_streams_with_drafted_tokens_and_the_meter_shows_speed(page):
-    set_number(page, "max-new-tokens", 4 * SHORT)  # long enough for a few updates at 4 a second
-    before = send(page, "Write a short poem about the sea.")
+    set_number(page, "max-new-tokens", 10 * SHORT)  # ~1.5 s at 100 tokens/s: a few updates at 2 a second
+    before = send(page, "Explain how a bicycle works, step by step.")
     rounds_seen = set()
     deadline = time.monotonic() + 120
     while not answered(page, before) and time.monotonic() < deadline:
