@@ -79,9 +79,10 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=4, help="MT-bench questions for the whole answers")
     parser.add_argument("--reps", type=int, default=3, help="alternations of the two paths")
     args = parser.parse_args()
-    if not kernels.available() or torch.backends.cpu.get_cpu_capability() != "AVX512":
-        sys.exit(f"no AVX-512 path here (kernels: {kernels.unavailable_reason() or 'built'}, "
-                 f"torch sees {torch.backends.cpu.get_cpu_capability()})")
+    if not kernels.available():
+        sys.exit(f"engine/kernels: {kernels.unavailable_reason()}")
+    if not torch.ops.eagle_cpu.set_wide(True):
+        sys.exit("this CPU has no AVX-512 (avx512f and avx512dq): the 8-lane path is the only one")
     torch.set_num_threads(min(2, torch.get_num_threads()))
     compare_matmuls(args.reps)
     compare_answers(args.questions, args.reps)

@@ -661,11 +661,10 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
 
 }  // namespace
 
-// Whether the linear layers take the AVX-512 path (on a CPU that has it); returns the setting it replaces.
+// Whether the linear layers take the AVX-512 path; returns whether they now do (never on a CPU without it).
 bool set_wide(bool wide) {
-  const bool before = use_wide;
   use_wide = wide && cpu_has_avx512();
-  return before;
+  return use_wide;
 }
 
 TORCH_LIBRARY(eagle_cpu, m) {
