@@ -10,6 +10,7 @@ import torch
 from conftest import BRANCHING, tokens_of
 from engine import Engine, kernels
 from engine.draft.checkpoint import DEFAULT_HEAD
+from engine.fused import FusedEagle3
 from engine.models import load_base
 from engine.packed import PackedLinear, bf16_native, packing_available
 
@@ -47,8 +48,9 @@ def test_default_engine_has_the_shipped_eagle3_head(engine):
     assert engine.head is not None and engine.head.kind == "eagle3"
     if packing_available():  # the CPU fast path is what the default engine decodes with, so the tests cover it
         assert engine.batch_invariant
-        if kernels.available():  # the GGUF's own groups, one kernel call a forward
+        if kernels.available():  # the GGUF's own groups, one kernel call a forward; the head drafts on Q8_0 ones
             assert engine.kernels == "q4" and engine.quantized_layers > 0 and engine.target.fused is not None
+            assert engine.head.fc.weight.dtype == torch.float32 and FusedEagle3.of(engine.head) is not None
         else:
             assert engine.kernels == "float" and engine.packed_layers > 0
 
