@@ -12,7 +12,7 @@ import os
 
 from app.zerogpu import on_gpu  # before torch: on ZeroGPU hardware `spaces` must patch CUDA first
 
-from engine import CheckpointError, DecodeParams, Engine
+from engine import CheckpointError, DecodeParams, Engine, freeze_heap
 from engine.models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS
 from engine.quant import KERNELS, KERNELS_HELP
 
@@ -71,6 +71,7 @@ def load_service(args: argparse.Namespace, engine_thread: EngineThread) -> ChatS
         )
     except (CheckpointError, ValueError, OSError, ImportError, MemoryError) as err:  # paths, sizes, devices, packages
         raise SystemExit(f"app.py: error: {err}") from None
+    freeze_heap()
     service = ChatService(engine, engine_thread)
     service.stream = on_gpu(service.stream)  # the generation function, under spaces.GPU on ZeroGPU hardware
     return service
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     service = load_service(args, engine_thread)
     attach(api, service, args)
     demo = build_demo(service, args.max_new_tokens)
+    freeze_heap()  # gradio's objects too: no full collection over them mid-answer
     demo.queue(max_size=64)
     demo.launch(
         server_name=args.host, server_port=args.port, share=args.share, auth=args.auth, css_paths=[CSS],
