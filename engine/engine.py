@@ -18,7 +18,7 @@ from .generate import Step, check_prompt, decode
 from .models import DEFAULT_BASE, DEFAULT_DEVICE, auto_dtype, load_base, resolve_dtype
 from .packed import bf16_native, pack_linears, packable_dtypes
 from .params import DecodeParams
-from .quant import QuantLinear, gguf_file, quantize_linears, resolve_kernels
+from .quant import GROUPED, QuantLinear, gguf_file, quantize_linears, resolve_kernels
 from .target import Target
 from .threads import ThreadGovernor
 
@@ -45,14 +45,15 @@ class Engine:
         bits whatever the batch, so verification agrees exactly with one-token decoding. Changes the model in place.
         follow_load: for a model on the CPU, give up threads to other busy processes between steps
         (engine.threads); the output does not depend on the thread count.
-        kernels="q4": first replace the base model's float32 linear layers by engine.quant's grouped ones, holding
-        the groups of the GGUF file `gguf` where it has them, else quantizing (engine.quant.quantize_linears); a
-        head on a q4 model is quantized to Q8_0."""
+        kernels="q4" or "int8": first replace the base model's float32 linear layers by engine.quant's grouped
+        ones (int8: on int8 activations), holding the groups of the GGUF file `gguf` where it has them, else
+        quantizing (engine.quant.quantize_linears); a head on such a model is quantized to Q8_0, on the same kernels."""
         self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
-        self.quantized_layers = quantize_linears(model, gguf) if kernels == "q4" else 0
-        self.kernels = "q4" if any(isinstance(m, QuantLinear) for m in model.modules()) else "float"
-        if self.kernels == "q4" and head is not None:  # drafts only, so its rounding never changes the output
-            self.quantized_layers += quantize_linears(head, kind="Q8_0")
+        grouped = kernels in GROUPED
+        self.quantized_layers = quantize_linears(model, gguf, int8=kernels == "int8") if grouped else 0
+        self.kernels = _kernels_of(model)
+        if self.kernels in GROUPED and head is not None:  # drafts only, so its rounding never changes the output
+            self.quantized_layers += quantize_linears(head, kind="Q8_0", int8=self.kernels == "int8")
         self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
         self.wide_attention = pack and use_wide_attention(model)
         # Every row of a forward comes out the same bits whatever the batch: greedy EAGLE is plain decoding exactly.
@@ -97,8 +98,9 @@ class Engine:
         head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16 beside
         float kernels (beside q4 it stays float32, for the Q8_0 kernels); the
         head's precision never changes the output (verification decides), only how fast and how well it drafts.
-        kernels "auto" | "float" | "q4": which CPU linear layers the base model runs (engine.quant.resolve_kernels);
-        q4 runs in float32, and it is that model that plain decoding and EAGLE both decode.
+        kernels "auto" | "float" | "q4" | "int8": which CPU linear layers the base model runs
+        (engine.quant.resolve_kernels); q4 and int8 run in float32, and it is that model that plain decoding and
+        EAGLE both decode.
         """
         if head == "default":
             head = DEFAULT_HEAD if base in (None, "", DEFAULT_BASE) and DEFAULT_HEAD.exists() else None
@@ -108,7 +110,7 @@ class Engine:
         gguf = gguf_file(base)
         kernels = resolve_kernels(kernels, device, dtype, pack, quantization, gguf)
         if dtype == "auto":
-            dtype = "float32" if kernels == "q4" else auto_dtype(device, quantization, pack)
+            dtype = "float32" if kernels in GROUPED else auto_dtype(device, quantization, pack)
         model, tokenizer = load_base(
             base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
         )
@@ -189,6 +191,11 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def _kernels_of(model: PreTrainedModel) -> str:
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    return "float" if not layers else "int8" if layers[0].int8 else "q4"
+
+
 def freeze_heap() -> None:
     """For a process that keeps one engine for its lifetime (the app, the bench), once it is loaded: collect
     garbage, then take every object alive out of the collector's sight (gc.freeze). What start-up leaves (torch,
@@ -206,6 +213,6 @@ def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None,
     float kernels, else the base model's dtype: beside q4 that is float32, which Engine quantizes to Q8_0 and drafts
     with in one kernel call per layer (engine.fused.FusedEagle3), ~2x faster than the bf16 head's torch modules."""
     on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
-    if head_dtype is None and pack and on_cpu and bf16_native() and kernels != "q4":
+    if head_dtype is None and pack and on_cpu and bf16_native() and kernels not in GROUPED:
         head_dtype = "bfloat16"
     return load_head(head, model, resolve_dtype(head_dtype) if head_dtype else None)

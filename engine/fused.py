@@ -19,7 +19,7 @@ from .attention import FIXED_ORDER
 from .cache import GrowingCache, GrowingLayer
 from .draft.eagle3 import Eagle3Head
 from .draft.layers import KV
-from .quant import QuantLinear
+from .quant import TILE, QuantLinear
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")
@@ -37,6 +37,7 @@ class FusedLlama:
         self.eps = float(config.rms_norm_eps)
         self.scale = float(self.body.layers[0].self_attn.scaling)
         self.weights = [tensor for layer in self.body.layers for tensor in _layer_tensors(layer)]
+        self.int8 = self.body.layers[0].self_attn.q_proj.int8
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> FusedLlama | None:
@@ -60,7 +61,7 @@ class FusedLlama:
         buffers = [buffer for layer in layers for buffer in layer.reserve(start + rows, like, like)]
         hidden, *features = torch.ops.eagle_cpu.llama_forward(
             embeddings, cos, sin, mask, self.weights, buffers, self.body.norm.weight, start, self.head_dim, self.eps,
-            self.scale, capture)
+            self.scale, capture, self.int8)
         for layer in layers:
             layer.length = start + rows
         return hidden, features
@@ -75,17 +76,27 @@ def why_not_fused(model: PreTrainedModel) -> str | None:
         (lambda: getattr(config, "hidden_act", None) == "silu", "an activation other than SiLU"),
         (lambda: config._attn_implementation == FIXED_ORDER, "attention other than the fixed-order kernel"),
         (lambda: not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False), "biases"),
-        (lambda: bool(layers) and all(map(_projections_are_q4, layers)), "layers not all on Q4_1 groups"),
+        (lambda: bool(layers) and _on_q4_groups(layers), "layers not all on Q4_1 groups of one kernel"),
         (lambda: model.dtype == torch.float32, f"{model.dtype} weights"),
         (kernels.available, "engine/kernels unavailable"),
     )
     return next((reason for holds, reason in checks if not holds()), None)
 
 
-def _projections_are_q4(layer: torch.nn.Module) -> bool:
-    modules = [layer.get_submodule(name) for name in PROJECTIONS]
-    return all(isinstance(m, QuantLinear) and m.kind == "Q4_1" and m.bias is None for m in modules) and all(
-        type(norm).__name__ == "LlamaRMSNorm" for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+def _on_q4_groups(layers) -> bool:
+    """Every projection a bias-free Q4_1 QuantLinear, all on the same kernel (int8 or not), and transformers' RMSNorm."""
+    modules = [layer.get_submodule(name) for layer in layers for name in PROJECTIONS]
+    return _stackable(modules, "Q4_1") and all(
+        type(norm).__name__ == "LlamaRMSNorm" for layer in layers
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+
+
+def _stackable(modules: list, kind: str) -> bool:
+    """Bias-free QuantLinears of `kind`, all int8 or none; int8 ones in whole tiles, so that stacking keeps every
+    projection's features where the kernel call's output puts them."""
+    if not all(isinstance(m, QuantLinear) and m.kind == kind and m.bias is None for m in modules):
+        return False
+    return len({m.int8 for m in modules}) == 1 and not (modules[0].int8 and any(m.out_features % TILE for m in modules))
 
 
 def _layer_tensors(layer: torch.nn.Module) -> list[torch.Tensor]:
@@ -105,8 +116,8 @@ def _stacked(projections: list[QuantLinear]) -> list[torch.Tensor]:
         return [getattr(projections[0], part) for part in parts]
     stacked = [torch.cat([getattr(p, part) for p in projections]) for part in parts]
     start = 0
-    for projection in projections:
-        end = start + projection.out_features
+    for projection in projections:  # by features, or by tiles of them on int8 kernels: the buffers' first dimension
+        end = start + len(projection.codes)
         for part, tensor in zip(parts, stacked):
             setattr(projection, part, tensor[start:end])
         start = end
@@ -132,6 +143,7 @@ class FusedEagle3:
         self.weights = [norm.weight for norm in norms]
         for names in MATMULS:
             self.weights += _stacked([layer.get_submodule(name) for name in names])
+        self.int8 = layer.self_attn.q_proj.int8
 
     @classmethod
     def of(cls, head) -> FusedEagle3 | None:
@@ -140,8 +152,7 @@ class FusedEagle3:
         if not isinstance(head, Eagle3Head):
             return None
         projections = [head.midlayer.get_submodule(name) for name in PROJECTIONS]
-        q8 = all(isinstance(p, QuantLinear) and p.kind == "Q8_0" and p.bias is None for p in projections)
-        return cls(head) if q8 else None
+        return cls(head) if _stackable(projections, "Q8_0") else None
 
     def __call__(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, past: list[KV] | None,
                  mask: torch.Tensor, from_target: bool) -> tuple[torch.Tensor, list[KV]]:
@@ -151,5 +162,5 @@ class FusedEagle3:
         cos, sin = head.rope(positions)
         keys, values = past[0] if past is not None else (None, None)
         out, k, v = torch.ops.eagle_cpu.eagle3_layer(head.embed(token_ids), hidden, cos, sin, keys, values, mask,
-                                                     self.weights, self.heads, self.head_dim, self.eps)
+                                                     self.weights, self.heads, self.head_dim, self.eps, self.int8)
         return out, [(k, v)]

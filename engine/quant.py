@@ -4,7 +4,9 @@ engine/kernels, for a CPU forward that reads a fraction of float32's bytes and s
 A one-token step on the CPU is bound by the bytes of weight it reads: float32 reads 4 bytes a weight, Q4_1 0.625 and
 Q8_0 1.06. A GGUF model's groups are taken as they are in the file (the embedded SmolLM2: Q4_1 layers, a Q8_0
 embedding that is also the LM head) and checked against the float32 weights transformers dequantized from it: the
-kernel multiplies by the very same float32 weights, in its own fixed order. A model without a GGUF file is quantized
+kernel multiplies by the very same float32 weights, in its own fixed order; or, on int8 activations, computes as
+llama.cpp does (each row's activations rounded to 8 bits per group, integer products: another rounding of the
+model, about twice as fast; `repack` lays the groups out for it). A model without a GGUF file is quantized
 here, as llama.cpp's converter does (Q4_1 layers, Q8_0 LM head): then its groups are the model both plain decoding
 and EAGLE run.
 """
@@ -24,10 +26,12 @@ from .gguf_tensors import BLOCK_BYTES, read_tensors
 from .models import _source, on_gpu
 
 GROUP = 32
-KERNELS = ("auto", "float", "q4")
-KERNELS_HELP = ("the CPU linear layers: float = oneDNN-packed float weights, q4 = a GGUF's 4-bit groups as they are "
-                "(engine/kernels; faster, see README), auto = q4 for a GGUF base on the CPU in float32 or dtype auto, "
-                "else float")
+KERNELS = ("auto", "float", "q4", "int8")
+GROUPED = ("q4", "int8")  # the kernels that keep a GGUF's groups (engine/kernels)
+KERNELS_HELP = ("the CPU linear layers: float = oneDNN-packed float weights; q4 = a GGUF's 4-bit groups as they are, "
+                "times float32 activations; int8 = the same groups times activations rounded to 8 bits per group of "
+                "32, integer products as llama.cpp computes them (another rounding of the model, ~2x faster matmuls; "
+                "see README); auto = int8 for a GGUF base on the CPU in float32 or dtype auto, else float")
 log = logging.getLogger(__name__)
 
 
@@ -50,6 +54,39 @@ class Groups:
         packed = self.codes.view(out, -1, GROUP // 2)
         q = torch.cat([packed & 15, packed >> 4], dim=-1).float()
         return (self.scales[..., None] * q + self.mins[..., None]).view(out, -1)
+
+
+TILE = 16  # output features per tile of the int8 kernels: one a vector lane
+
+
+@dataclass
+class Repacked:
+    """Groups as the int8 kernels read them (engine/kernels/cpu.cpp, "int8 activations"): output features in tiles of
+    16, padded with zero weights; for each tile and group, chunks of 4 consecutive weights of the 16 features (codes
+    [tiles, in/32, chunks, 16, 4]: Q4_1 4 chunks of nibble pairs, byte k of chunk c holding weights 4c + k and
+    4c + k + 16 as GGUF's byte 4c + k does; Q8_0 8 chunks of int8), scales and mins [tiles, in/32, 16]."""
+
+    kind: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    out_features: int
+
+
+def repack(groups: Groups) -> Repacked:
+    """`groups` in the int8 kernels' layout: the same bytes and scales, moved."""
+    out, count = groups.scales.shape
+    tiles = -(-out // TILE)
+    per_group = GROUP // 2 if groups.kind == "Q4_1" else GROUP
+    codes = groups.codes.view(out, count, per_group)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(tiles * TILE - out, *t.shape[1:])])
+
+    codes = padded(codes).view(tiles, TILE, count, per_group // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    by_lane = [None if t is None else padded(t).view(tiles, TILE, count).transpose(1, 2).contiguous()
+               for t in (groups.scales, groups.mins)]
+    return Repacked(groups.kind, codes, *by_lane, out)
 
 
 def groups_from_blocks(kind: str, blocks: np.ndarray) -> Groups:
@@ -81,29 +118,35 @@ def quantize(weight: torch.Tensor, kind: str) -> Groups:
 
 
 class QuantLinear(nn.Module):
-    """Inference-only stand-in for an nn.Linear on the CPU, its weight held as Groups (float32 inputs)."""
+    """Inference-only stand-in for an nn.Linear on the CPU, its weight held as Groups (float32 inputs). int8: its
+    inputs are rounded to 8 bits per group of 32 and multiplied as integers (the weights held as `repack` lays
+    them out), else they multiply the dequantized weights in float32."""
 
-    def __init__(self, groups: Groups, bias: torch.Tensor | None):
+    def __init__(self, groups: Groups, bias: torch.Tensor | None, int8: bool = False):
         super().__init__()
-        self.kind = groups.kind
+        self.kind, self.int8 = groups.kind, int8
         self.out_features, self.in_features = groups.scales.shape[0], groups.scales.shape[1] * GROUP
-        self.register_buffer("codes", groups.codes)
-        self.register_buffer("scales", groups.scales)
-        self.register_buffer("mins", groups.mins)
+        held = repack(groups) if int8 else groups
+        self.register_buffer("codes", held.codes)
+        self.register_buffer("scales", held.scales)
+        self.register_buffer("mins", held.mins)
         self.bias = None if bias is None else bias.detach().float()
         # An empty stand-in: code that asks a layer for its weight's dtype or device keeps working.
         self.register_buffer("weight", torch.empty(0), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = torch.ops.eagle_cpu
+        if self.int8 and self.kind == "Q4_1":
+            return ops.q4_1_int8_linear(x, self.codes, self.scales, self.mins, self.bias, self.out_features)
+        if self.int8:
+            return ops.q8_0_int8_linear(x, self.codes, self.scales, self.bias, self.out_features)
         if self.kind == "Q4_1":
-            return torch.ops.eagle_cpu.q4_1_linear(x, self.codes, self.scales, self.mins, self.bias)
-        return torch.ops.eagle_cpu.q8_0_linear(x, self.codes, self.scales, self.bias)
-
-    def groups(self) -> Groups:
-        return Groups(self.kind, self.codes, self.scales, self.mins)
+            return ops.q4_1_linear(x, self.codes, self.scales, self.mins, self.bias)
+        return ops.q8_0_linear(x, self.codes, self.scales, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+                f"{', int8 activations' if self.int8 else ''}")
 
 
 def gguf_file(base: str | None) -> Path | None:
@@ -161,10 +204,11 @@ def _gguf_name(name_map, parameter: str) -> str | None:
     return None if base is None else f"{base}.{kind}"
 
 
-def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str = "Q4_1") -> int:
-    """Replace the float32 CPU nn.Linear layers of `model` whose inputs come in groups of 32 by QuantLinears; returns
-    how many. With a GGUF file, the layers its Q4_1/Q8_0 groups hold exactly (others keep float weights); without
-    one, every such layer is quantized to `kind` (a PreTrainedModel's LM head to Q8_0)."""
+def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str = "Q4_1", int8: bool = False) -> int:
+    """Replace the float32 CPU nn.Linear layers of `model` whose inputs come in groups of 32 by QuantLinears (int8:
+    on int8 activations); returns how many. With a GGUF file, the layers its Q4_1/Q8_0 groups hold exactly (others
+    keep float weights); without one, every such layer is quantized to `kind` (a PreTrainedModel's LM head to
+    Q8_0)."""
     if not kernels.available():
         raise RuntimeError(f"QuantLinear needs engine/kernels: {kernels.unavailable_reason()}")
     found = gguf_groups(model, gguf_file) if gguf_file is not None else None
@@ -182,34 +226,35 @@ def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str 
                 groups = found[id(child.weight)]
             else:
                 continue
-            setattr(parent, name, QuantLinear(groups, child.bias))
+            setattr(parent, name, QuantLinear(groups, child.bias, int8))
             count += 1
     return count
 
 
 def resolve_kernels(kernels: str, device: str, dtype: str, pack: bool, quantization: str, gguf: Path | None) -> str:
     """Engine.load's kernels=: "float" (oneDNN-packed float layers, engine.packed), "q4" (QuantLinear layers: a
-    GGUF base's own groups; another base quantized to Q4_1 with its LM head in Q8_0, which changes the model), or
-    "auto": q4 for a GGUF base on the CPU (dtype auto or float32) where the kernels build: it decodes the file's
-    own weights several times faster than the float path, also where the CPU multiplies bf16 natively (README,
-    "The q4 kernels"); float elsewhere (another base would be changed by quantizing it)."""
+    GGUF base's own groups; another base quantized to Q4_1 with its LM head in Q8_0, which changes the model),
+    "int8" (the same groups on int8 activations, as llama.cpp computes: another rounding again), or "auto": int8
+    for a GGUF base on the CPU (dtype auto or float32) where the kernels build, the fastest (README, "The q4
+    kernels"), also where the CPU multiplies bf16 natively; float elsewhere (another base would be changed by
+    quantizing it)."""
     if kernels not in KERNELS:
         raise ValueError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
     if kernels == "auto":
-        return "q4" if gguf is not None and not _q4_unusable(device, dtype, pack, quantization) else "float"
-    reason = _q4_unusable(device, dtype, pack, quantization) if kernels == "q4" else None
+        return "int8" if gguf is not None and not _grouped_unusable(device, dtype, pack, quantization) else "float"
+    reason = _grouped_unusable(device, dtype, pack, quantization) if kernels in GROUPED else None
     if reason:
-        raise ValueError(f"kernels='q4' cannot run here: {reason}")
+        raise ValueError(f"kernels={kernels!r} cannot run here: {reason}")
     return kernels
 
 
-def _q4_unusable(device: str, dtype: str, pack: bool, quantization: str) -> str | None:
+def _grouped_unusable(device: str, dtype: str, pack: bool, quantization: str) -> str | None:
     if not pack:
         return "pack=False keeps transformers' own layers"
     if on_gpu(device):
-        return "the q4 kernels run on the CPU"
+        return "the grouped kernels run on the CPU"
     if quantization != "none":
         return f"quantization={quantization!r} already quantizes the layers (bitsandbytes)"
     if dtype not in ("auto", "float32"):
-        return f"the q4 kernels take float32 activations, not {dtype}"
+        return f"the grouped kernels take float32 activations, not {dtype}"
     return kernels.unavailable_reason()

@@ -109,7 +109,8 @@ def _small_engine(dtype: torch.dtype, kernels: str) -> Engine:
 
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
 @pytest.mark.parametrize("dtype,kernel_choice", [(torch.float32, "float"), pytest.param(
-    torch.bfloat16, "float", marks=PACKED_DTYPES[1].marks), pytest.param(torch.float32, "q4", marks=NEEDS_KERNELS)])
+    torch.bfloat16, "float", marks=PACKED_DTYPES[1].marks), pytest.param(torch.float32, "q4", marks=NEEDS_KERNELS),
+    pytest.param(torch.float32, "int8", marks=NEEDS_KERNELS)])
 def test_packed_cpu_forward_scores_a_tree_exactly_as_decoding_does(dtype, kernel_choice):
     engine = _small_engine(dtype, kernel_choice)
     assert engine.kernels == kernel_choice and engine.wide_attention

@@ -223,7 +223,7 @@ def test_bad_curve_sizes_are_refused(assets, capsys):
     assert "--verify-cache: every value must be at least 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kernels", ["float", "q4"])
+@pytest.mark.parametrize("kernels", ["float", "q4", "int8"])
 def test_hf_runs_transformers_own_layers_whatever_the_engines_kernels(kernels, tmp_path):
     """hf measures transformers itself: never the engine's packed or 4-bit layers (on q4 it once ran the engine's
     own model, and looked as fast as the engine)."""
@@ -232,7 +232,7 @@ def test_hf_runs_transformers_own_layers_whatever_the_engines_kernels(kernels, t
     from engine.quant import QuantLinear
     from engine.tools.bench import build_parser, hf_model_for
 
-    if kernels == "q4" and not engine_kernels.available():
+    if kernels != "float" and not engine_kernels.available():
         pytest.skip(f"engine/kernels: {engine_kernels.unavailable_reason()}")
     engine = Engine.load(head=None, kernels=kernels)
     questions = tmp_path / "q.jsonl"  # a checkout without ../shared/bench must be able to run this too
@@ -243,5 +243,5 @@ def test_hf_runs_transformers_own_layers_whatever_the_engines_kernels(kernels, t
     assert not any(isinstance(m, (PackedLinear, QuantLinear)) for m in model.modules())
     # in transformers' faster dtype: the engine's on the float path; beside q4 (float32 for the kernels' sake)
     # the one the float path would take, bfloat16 where the CPU multiplies it natively
-    expected = auto_dtype("cpu") if kernels == "q4" else str(engine.model.dtype).removeprefix("torch.")
+    expected = auto_dtype("cpu") if kernels != "float" else str(engine.model.dtype).removeprefix("torch.")
     assert str(model.dtype).removeprefix("torch.") == expected

@@ -35,14 +35,17 @@ def assert_fused_equals_transformers(engine: Engine, prompt: list[int]) -> None:
 
 
 @pytest.mark.parametrize("kind", [None, "eagle3"])
-def test_a_tiny_q4_llama_fused_gives_transformers_bits(kind, prompt):
+@pytest.mark.parametrize("kernels", ["q4", "int8"])
+def test_a_tiny_q4_llama_fused_gives_transformers_bits(kind, kernels, prompt):
     model = tiny_base("llama-h64-l8-gqa")
-    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=True, kernels="q4")
+    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=True, kernels=kernels)
+    assert engine.target.fused.int8 == (kernels == "int8")
     assert_fused_equals_transformers(engine, prompt)
 
 
-def test_the_embedded_model_fused_gives_transformers_bits():
-    engine = Engine.load(kernels="q4")
+@pytest.mark.parametrize("kernels", ["q4", "int8"])
+def test_the_embedded_model_fused_gives_transformers_bits(kernels):
+    engine = Engine.load(kernels=kernels)
     prompt = engine.encode_chat([{"role": "user", "content": "Explain how a bicycle works, step by step."}])
     assert_fused_equals_transformers(engine, prompt)
 
@@ -54,12 +57,13 @@ def test_models_it_does_not_describe_keep_transformers_forward():
     assert "model type 'qwen3'" in why_not_fused(tiny_base("qwen3-h64-l9"))
 
 
-def test_the_eagle3_heads_layer_fused_gives_its_modules_bits():
+@pytest.mark.parametrize("kernels", ["q4", "int8"])
+def test_the_eagle3_heads_layer_fused_gives_its_modules_bits(kernels):
     """A commit over five slots, then an expansion of three siblings over them: outputs and keys alike."""
     model = tiny_base("llama-h64-l8-gqa")
-    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels="q4")
+    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
     head, fused = engine.head, FusedEagle3.of(engine.head)
-    assert fused is not None
+    assert fused is not None and fused.int8 == (kernels == "int8")
     torch.manual_seed(0)
     features, tokens = torch.randn(1, 5, head.config.feature_size), torch.randint(0, VOCAB, (1, 5))
     causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]

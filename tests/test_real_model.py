@@ -1,6 +1,6 @@
 """End to end on the embedded SmolLM2-135M-Instruct with the shipped EAGLE-3 head (and the EAGLE-1 comparison head),
-on the default engine (the GGUF's own groups on the q4 kernels where they build), on the float path in float32,
-and in bfloat16 on CPUs that multiply it natively; more on the q4 kernels: tests/test_quant.py."""
+on the default engine (the GGUF's own groups on the int8 kernels where they build), on the float path in float32,
+and in bfloat16 on CPUs that multiply it natively; more on the grouped kernels: tests/test_quant.py."""
 import json
 from pathlib import Path
 
@@ -49,7 +49,7 @@ def test_default_engine_has_the_shipped_eagle3_head(engine):
     if packing_available():  # the CPU fast path is what the default engine decodes with, so the tests cover it
         assert engine.batch_invariant
         if kernels.available():  # the GGUF's own groups, one kernel call a forward; the head drafts on Q8_0 ones
-            assert engine.kernels == "q4" and engine.quantized_layers > 0 and engine.target.fused is not None
+            assert engine.kernels == "int8" and engine.quantized_layers > 0 and engine.target.fused is not None
             assert engine.head.fc.weight.dtype == torch.float32 and FusedEagle3.of(engine.head) is not None
         else:
             assert engine.kernels == "float" and engine.packed_layers > 0

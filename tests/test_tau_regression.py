@@ -40,7 +40,7 @@ MARGIN = 0.04  # issue #19 measured real drafting bugs at -8 % (wrong drafter fe
 def engines():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    eagle3 = Engine.load(dtype="float32", head_dtype="float32")
+    eagle3 = Engine.load(dtype="float32", head_dtype="float32", kernels="q4")
     eagle1 = eagle3.with_head(DEFAULT_HEAD.parent / "smollm2-135m-eagle1", head_dtype="float32")
     yield {"eagle3": eagle3, "eagle1": eagle1}
     torch.set_num_threads(threads)

@@ -1,5 +1,6 @@
-"""The engine's own CPU kernels (cpu.cpp): 4- and 8-bit grouped linear layers and a float32 attention whose rows
-come out the same bits whatever shares their forward, and whole forwards built from them (engine.fused).
+"""The engine's own CPU kernels (cpu.cpp): 4- and 8-bit grouped linear layers (on float32 or int8 activations) and
+a float32 attention whose rows come out the same bits whatever shares their forward, and whole forwards built from
+them (engine.fused).
 
 Compiled on first use with torch's extension builder (a C++ compiler and ninja; cached under
 ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) for x86 CPUs with AVX2 and FMA. Where that cannot happen the

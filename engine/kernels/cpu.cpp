@@ -8,6 +8,8 @@
 //    each group dequantized in registers into float32 (the very floats gguf's dequantize gives: d*q is exact, so
 //    fma(q, d, m) rounds once like (d*q) + m) and used at once for up to eight input rows, so the weights are read
 //    and dequantized once per call for each eight rows; for fewer rows, several output features side by side.
+//  - int8 linear layers (kernels="int8"): the same groups against each row's activations rounded to int8, integer
+//    products (exact in any order), then one fixed float sequence per output feature (section "int8 activations");
 //  - attention: softmax(q.k * scale + mask) v per (row, head) over the keys the row sees, gathered in key order
 //    first, so masked keys between them (a tree's other branches) change nothing; the query heads that share a
 //    key/value head go through together, each key and value loaded once for them.
@@ -279,6 +281,228 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(codes.scalar_type() == at::kChar, "Q8_0 codes are int8");
   check_groups(x, codes, scales, in);
   return grouped_linear(x, codes.size(0), bias, Q8_0{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), in});
+}
+
+// ---- int8 activations (kernels="int8"): llama.cpp's arithmetic on the GGUF's groups ----
+//
+// Each input row is rounded on its own, group by group: d = max|x| / 127, q = x / d rounded to nearest even, s =
+// sum(q). A group's dot product with a weight group is then an integer sum, exact on any path in any order, and only
+// its scaling is float, one fixed sequence per output feature, group after group:
+//   acc = acc + float(sum(qw * q)) * (dw * d)      Q4_1 also: mins = mins + mw * (d * float(s))
+// then out = acc (+ mins) (+ bias). The weights are repacked at load (engine/quant.py repack) so that a vector lane is
+// an output feature: 16 features a tile, for each group 8 chunks of 4 consecutive weights of every feature, 64
+// bytes a chunk (Q4_1: chunks c and c + 4 in one byte's low and high nibbles, as GGUF pairs weights j and j + 16);
+// scales and mins [tile, group, 16]. One instruction multiplies 4 weights of 16 features by 4 activations
+// broadcast: with AVX-512 VNNI (vpdpbusd) 64 products, with AVX2 two instructions for 8 features; either way the
+// integers are exact and the float steps are lane for lane the same, so both paths give the same bits, and a
+// row's result never depends on the rows beside it.
+struct Int8Rows {
+  std::vector<int8_t> q;   // [rows, in]
+  std::vector<float> d;    // [rows, in / 32]
+  std::vector<float> ds;   // d * float(s)
+  std::vector<int32_t> s;  // sum of a group's q
+};
+
+Int8Rows quantize_rows(const float* x, int64_t rows, int64_t in) {
+  const int64_t groups = rows * (in / GROUP);
+  Int8Rows r;
+  r.q.resize(rows * in), r.d.resize(groups), r.ds.resize(groups), r.s.resize(groups);
+  for (int64_t i = 0; i < groups; ++i) {
+    const float* xs = x + i * GROUP;
+    float most = 0.f;
+    for (int j = 0; j < GROUP; ++j) most = std::max(most, std::fabs(xs[j]));
+    const float d = most / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int j = 0; j < GROUP; ++j) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(xs[j] * inverse));
+      r.q[i * GROUP + j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    r.d[i] = d, r.s[i] = sum, r.ds[i] = d * static_cast<float>(sum);
+  }
+  return r;
+}
+
+struct Int8Layer {
+  const uint8_t* codes;        // [tiles, groups, chunks, 16, 4] (Q4_1: 4 chunks of nibble pairs; Q8_0: 8 of int8)
+  const float *scales, *mins;  // [tiles, groups, 16]
+  int64_t groups;
+};
+
+int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Half h (features 8h .. 8h + 7) of tile t for ROWS rows, AVX2.
+template <int ROWS, bool Q4>
+void int8_half_avx2(const Int8Layer& w, const Int8Rows& x, int64_t row0, int64_t t, int h, float (*out)[8]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[ROWS], mins[ROWS];
+  for (int i = 0; i < ROWS; ++i) acc[i] = mins[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const int64_t tg = t * w.groups + g;
+    const uint8_t* c = w.codes + tg * (Q4 ? 256 : 512) + 32 * h;
+    __m256i lanes[8], magnitudes[8];  // Q4_1: the 8 chunks' weights 0..15; Q8_0: the signed weights and |w|
+    if (Q4) {
+      for (int r = 0; r < 4; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * r));
+        lanes[r] = _mm256_and_si256(v, nibble);
+        lanes[r + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      }
+    } else {
+      for (int r = 0; r < 8; ++r) {
+        lanes[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * r));
+        magnitudes[r] = _mm256_abs_epi8(lanes[r]);
+      }
+    }
+    const __m256 dw = _mm256_loadu_ps(w.scales + tg * 16 + 8 * h);
+    const __m256 mw = Q4 ? _mm256_loadu_ps(w.mins + tg * 16 + 8 * h) : _mm256_setzero_ps();
+    for (int i = 0; i < ROWS; ++i) {
+      const int64_t at = (row0 + i) * w.groups + g;
+      const int8_t* xq = x.q.data() + at * GROUP;
+      __m256i sums = _mm256_setzero_si256();
+      for (int r = 0; r < 8; ++r) {
+        const __m256i xv = _mm256_set1_epi32(load4(xq + 4 * r));
+        const __m256i pairs = Q4 ? _mm256_maddubs_epi16(lanes[r], xv)
+                                 : _mm256_maddubs_epi16(magnitudes[r], _mm256_sign_epi8(xv, lanes[r]));
+        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
+      }
+      const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[at]));
+      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(sums), dd));
+      if (Q4) mins[i] = _mm256_add_ps(mins[i], _mm256_mul_ps(mw, _mm256_set1_ps(x.ds[at])));
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) _mm256_storeu_ps(out[i], Q4 ? _mm256_add_ps(acc[i], mins[i]) : acc[i]);
+}
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
+
+bool cpu_has_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+bool use_vnni = cpu_has_vnni();  // eagle_cpu::set_vnni turns it off for tests
+
+// Tile t for ROWS rows, AVX-512 VNNI: the weights go in as unsigned bytes (Q8_0's shifted by 128, and 128 * s taken
+// off the integer sum after).
+template <int ROWS, bool Q4>
+VNNI void int8_tile_vnni(const Int8Layer& w, const Int8Rows& x, int64_t row0, int64_t t, float (*out)[16]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[ROWS], mins[ROWS];
+  for (int i = 0; i < ROWS; ++i) acc[i] = mins[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const int64_t tg = t * w.groups + g;
+    const uint8_t* c = w.codes + tg * (Q4 ? 256 : 512);
+    __m512i lanes[8];
+    if (Q4) {
+      for (int r = 0; r < 4; ++r) {
+        const __m512i v = _mm512_loadu_si512(c + 64 * r);
+        lanes[r] = _mm512_and_si512(v, nibble);
+        lanes[r + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+    } else {
+      for (int r = 0; r < 8; ++r) lanes[r] = _mm512_xor_si512(_mm512_loadu_si512(c + 64 * r), flip);
+    }
+    const __m512 dw = _mm512_loadu_ps(w.scales + tg * 16);
+    const __m512 mw = Q4 ? _mm512_loadu_ps(w.mins + tg * 16) : _mm512_setzero_ps();
+    for (int i = 0; i < ROWS; ++i) {
+      const int64_t at = (row0 + i) * w.groups + g;
+      const int8_t* xq = x.q.data() + at * GROUP;
+      __m512i sums = _mm512_setzero_si512();
+      for (int r = 0; r < 8; ++r) sums = _mm512_dpbusd_epi32(sums, lanes[r], _mm512_set1_epi32(load4(xq + 4 * r)));
+      if (!Q4) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(128 * x.s[at]));
+      const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[at]));
+      acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(sums), dd));
+      if (Q4) mins[i] = _mm512_add_ps(mins[i], _mm512_mul_ps(mw, _mm512_set1_ps(x.ds[at])));
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) _mm512_storeu_ps(out[i], Q4 ? _mm512_add_ps(acc[i], mins[i]) : acc[i]);
+}
+
+// Tile t for rows row0 .. row0 + ROWS - 1 into a [ROWS][16] block.
+template <int ROWS, bool Q4>
+void int8_tile(bool vnni, const Int8Layer& w, const Int8Rows& x, int64_t row0, int64_t t, float (*block)[16]) {
+  if (vnni) {
+    int8_tile_vnni<ROWS, Q4>(w, x, row0, t, block);
+    return;
+  }
+  for (int h = 0; h < 2; ++h) {
+    float half[ROWS][8];
+    int8_half_avx2<ROWS, Q4>(w, x, row0, t, h, half);
+    for (int i = 0; i < ROWS; ++i) std::memcpy(block[i] + 8 * h, half[i], sizeof half[i]);
+  }
+}
+
+template <bool Q4>
+at::Tensor int8_linear(const at::Tensor& x, const Int8Layer& w, int64_t out_features,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "int8 linear layers take float32 inputs, got ", x.scalar_type());
+  const int64_t in = x.size(-1);
+  TORCH_CHECK(in == w.groups * GROUP, "int8 linear layer: ", in, " inputs for a layer of ", w.groups * GROUP);
+  const at::Tensor rows = x.reshape({-1, in}).contiguous();
+  const int64_t count = rows.size(0);
+  const Int8Rows xq = quantize_rows(rows.data_ptr<float>(), count, in);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  at::Tensor out = at::empty({count, out_features}, x.options());
+  float* os = out.data_ptr<float>();
+  const float* bs = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const bool vnni = use_vnni;
+  const int64_t tiles = (out_features + 15) / 16;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (16 * in));
+  at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
+    float block[4][16];
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t n0 = t * 16, valid = std::min<int64_t>(16, out_features - n0);
+      for (int64_t i = 0; i < count; i += 4) {  // four rows at a time: more spill the registers (measured)
+        const int rows_here = static_cast<int>(std::min<int64_t>(4, count - i));
+        switch (rows_here) {
+          case 1: int8_tile<1, Q4>(vnni, w, xq, i, t, block); break;
+          case 2: int8_tile<2, Q4>(vnni, w, xq, i, t, block); break;
+          case 3: int8_tile<3, Q4>(vnni, w, xq, i, t, block); break;
+          default: int8_tile<4, Q4>(vnni, w, xq, i, t, block);
+        }
+        for (int r = 0; r < rows_here; ++r)
+          for (int64_t f = 0; f < valid; ++f)
+            os[(i + r) * out_features + n0 + f] = bs ? block[r][f] + bs[n0 + f] : block[r][f];
+      }
+    }
+  });
+  return out.view(shape);
+}
+
+void check_repacked(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t chunk_bytes,
+                    int64_t out_features) {
+  const int64_t in = x.size(-1), groups = in / GROUP, tiles = (out_features + 15) / 16;
+  TORCH_CHECK(in % GROUP == 0, "int8 linear layers need in_features divisible by ", GROUP, ", got ", in);
+  TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * chunk_bytes,
+              "codes must be contiguous, repacked for ", out_features, " x ", in, " (engine/quant.py repack)");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({tiles, groups, 16}),
+              "scales must be contiguous float32 [tiles, in_features / 32, 16]");
+}
+
+at::Tensor q4_1_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            const at::Tensor& mins, const std::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "Q4_1 codes are uint8");
+  check_repacked(x, codes, scales, 256, out_features);
+  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.is_contiguous() && mins.scalar_type() == at::kFloat,
+              "mins must match scales");
+  const Int8Layer w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), x.size(-1) / GROUP};
+  return int8_linear<true>(x, w, out_features, bias);
+}
+
+at::Tensor q8_0_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar, "Q8_0 codes are int8");
+  check_repacked(x, codes, scales, 512, out_features);
+  const Int8Layer w{reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), scales.data_ptr<float>(), nullptr,
+                    x.size(-1) / GROUP};
+  return int8_linear<false>(x, w, out_features, bias);
 }
 
 // exp(x) for x <= 0 (Cody-Waite range reduction and a degree-6 polynomial, ~1 ulp): one function for every score.
@@ -584,7 +808,8 @@ constexpr int64_t LAYER_TENSORS = 2 + 4 * 3;
 std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                                       const std::optional<at::Tensor>& mask, at::TensorList weights,
                                       at::TensorList caches, const at::Tensor& final_norm, int64_t start,
-                                      int64_t head_dim, double eps, double scale, at::IntArrayRef capture) {
+                                      int64_t head_dim, double eps, double scale, at::IntArrayRef capture,
+                                      bool int8) {
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2, rows = embeddings.size(1), end = start + rows;
   TORCH_CHECK(embeddings.dim() == 3 && embeddings.size(0) == 1, "llama_forward takes embeddings [1, M, E]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS,
@@ -599,7 +824,9 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
       if (capture[i] == layer) out[1 + i] = h.clone();
     const at::Tensor* w = weights.data() + layer * LAYER_TENSORS;
     const auto project = [&](int which, const at::Tensor& x) {
-      return q4_1_linear(x, w[2 + 3 * which], w[3 + 3 * which], w[4 + 3 * which], std::nullopt);
+      const at::Tensor &codes = w[2 + 3 * which], &scales = w[3 + 3 * which], &mins = w[4 + 3 * which];
+      return int8 ? q4_1_int8_linear(x, codes, scales, mins, std::nullopt, scales.size(0) * 16)
+                  : q4_1_linear(x, codes, scales, mins, std::nullopt);
     };
     const at::Tensor &keys = caches[2 * layer], &values = caches[2 * layer + 1];
     const at::Tensor qkv = project(0, rms_norm(h, w[0], eps));  // each feature as q_proj, k_proj or v_proj gives it
@@ -629,13 +856,16 @@ constexpr int64_t HEAD_TENSORS = 3 + 4 * 2;  // three norms; codes and scales of
 std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
                                      const at::Tensor& sin, const std::optional<at::Tensor>& past_keys,
                                      const std::optional<at::Tensor>& past_values, const at::Tensor& mask,
-                                     at::TensorList weights, int64_t heads, int64_t head_dim, double eps) {
+                                     at::TensorList weights, int64_t heads, int64_t head_dim, double eps,
+                                     bool int8) {
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == HEAD_TENSORS, "eagle3_layer: ", HEAD_TENSORS,
               " weight tensors, got ", weights.size());
   TORCH_CHECK(past_keys.has_value() == past_values.has_value(), "eagle3_layer: past keys without values");
   const int64_t rows = hidden.size(1);
   const auto project = [&](int which, const at::Tensor& x) {
-    return q8_0_linear(x, weights[3 + 2 * which], weights[4 + 2 * which], std::nullopt);
+    const at::Tensor &codes = weights[3 + 2 * which], &scales = weights[4 + 2 * which];
+    return int8 ? q8_0_int8_linear(x, codes, scales, std::nullopt, scales.size(0) * 16)
+                : q8_0_linear(x, codes, scales, std::nullopt);
   };
   const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(hidden, weights[1], eps)}, -1);
   const at::Tensor qkv = project(0, x);
@@ -667,20 +897,31 @@ bool set_wide(bool wide) {
   return use_wide;
 }
 
+// Whether the int8 layers take the AVX-512 VNNI path; returns whether they now do (never on a CPU without it).
+bool set_vnni(bool vnni) {
+  use_vnni = vnni && cpu_has_vnni();
+  return use_vnni;
+}
+
 TORCH_LIBRARY(eagle_cpu, m) {
   m.def("set_wide(bool wide) -> bool", &set_wide);
+  m.def("set_vnni(bool vnni) -> bool", &set_vnni);
+  m.def("q4_1_int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias, int out_features) -> Tensor");
+  m.def("q8_0_int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int out_features) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
   m.def("llama_forward(Tensor embeddings, Tensor cos, Tensor sin, Tensor? mask, Tensor[] weights, Tensor[] caches, "
-        "Tensor final_norm, int start, int head_dim, float eps, float scale, int[] capture) -> Tensor[]");
+        "Tensor final_norm, int start, int head_dim, float eps, float scale, int[] capture, bool int8) -> Tensor[]");
   m.def("eagle3_layer(Tensor embeds, Tensor hidden, Tensor cos, Tensor sin, Tensor? past_keys, Tensor? past_values, "
-        "Tensor mask, Tensor[] weights, int heads, int head_dim, float eps) -> Tensor[]");
+        "Tensor mask, Tensor[] weights, int heads, int head_dim, float eps, bool int8) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("q4_1_int8_linear", &q4_1_int8_linear);
+  m.impl("q8_0_int8_linear", &q8_0_int8_linear);
   m.impl("attention", &attention);
   m.impl("llama_forward", &llama_forward);
   m.impl("eagle3_layer", &eagle3_layer);

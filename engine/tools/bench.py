@@ -57,7 +57,7 @@ from ..models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, auto_dtype, load_bas
 from ..params import METHODS as ENGINE_METHODS
 from ..params import DecodeParams
 from ..tree import TREES, DynamicTree
-from ..quant import KERNELS, KERNELS_HELP, gguf_file
+from ..quant import GROUPED, KERNELS, KERNELS_HELP, gguf_file
 from .costs import verification_curve
 from .llamacpp import LlamaCpp, decode_tokens_per_s
 from .report import add_speedups, exactness_warnings, plot, print_table, summarize
@@ -241,11 +241,11 @@ def llama_cpp_for(args: argparse.Namespace, engine: Engine, methods: list[str],
 
 
 def hf_dtype_for(args: argparse.Namespace, engine: Engine) -> str:
-    """--hf-dtype, else the engine's dtype, except beside the q4 kernels (float32 for their sake, not the CPU's):
+    """--hf-dtype, else the engine's dtype, except beside the grouped kernels (float32 for their sake, not the CPU's):
     there transformers runs in the dtype the float path would take, bfloat16 where the CPU has it (its faster one)."""
     if args.hf_dtype:
         return args.hf_dtype
-    return auto_dtype(args.device, args.quantization) if engine.kernels == "q4" else _dtype_name(engine)
+    return auto_dtype(args.device, args.quantization) if engine.kernels in GROUPED else _dtype_name(engine)
 
 
 def _dtype_name(engine: Engine) -> str:
