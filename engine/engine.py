@@ -96,7 +96,7 @@ class Engine:
         pack packs the linear layers that run on the CPU for oneDNN (engine.packed) and gives a model wholly on the
         CPU engine.attention's attention (whatever attn says), changing the model in place. follow_load: see __init__.
         head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16 beside
-        float kernels (beside q4 it stays float32, for the Q8_0 kernels); the
+        float kernels (beside q4 or int8 it stays float32, for the Q8_0 kernels); the
         head's precision never changes the output (verification decides), only how fast and how well it drafts.
         kernels "auto" | "float" | "q4" | "int8": which CPU linear layers the base model runs
         (engine.quant.resolve_kernels); q4 and int8 run in float32, and it is that model that plain decoding and
@@ -210,7 +210,7 @@ def freeze_heap() -> None:
 
 def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None, pack: bool, kernels: str) -> DraftHead:
     """Load a head for `model`; head_dtype None means bfloat16 for a packed head on a CPU with native bf16 beside
-    float kernels, else the base model's dtype: beside q4 that is float32, which Engine quantizes to Q8_0 and drafts
+    float kernels, else the base model's dtype: beside q4 or int8 that is float32, which Engine quantizes to Q8_0 and drafts
     with in one kernel call per layer (engine.fused.FusedEagle3), ~2x faster than the bf16 head's torch modules."""
     on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
     if head_dtype is None and pack and on_cpu and bf16_native() and kernels not in GROUPED:

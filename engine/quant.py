@@ -66,11 +66,9 @@ class Repacked:
     [tiles, in/32, chunks, 16, 4]: Q4_1 4 chunks of nibble pairs, byte k of chunk c holding weights 4c + k and
     4c + k + 16 as GGUF's byte 4c + k does; Q8_0 8 chunks of int8), scales and mins [tiles, in/32, 16]."""
 
-    kind: str
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
-    out_features: int
 
 
 def repack(groups: Groups) -> Repacked:
@@ -86,7 +84,7 @@ def repack(groups: Groups) -> Repacked:
     codes = padded(codes).view(tiles, TILE, count, per_group // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
     by_lane = [None if t is None else padded(t).view(tiles, TILE, count).transpose(1, 2).contiguous()
                for t in (groups.scales, groups.mins)]
-    return Repacked(groups.kind, codes, *by_lane, out)
+    return Repacked(codes, *by_lane)
 
 
 def groups_from_blocks(kind: str, blocks: np.ndarray) -> Groups:

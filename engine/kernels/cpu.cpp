@@ -296,6 +296,8 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // broadcast: with AVX-512 VNNI (vpdpbusd) 64 products, with AVX2 two instructions for 8 features; either way the
 // integers are exact and the float steps are lane for lane the same, so both paths give the same bits, and a
 // row's result never depends on the rows beside it.
+constexpr int64_t LANES = 16;  // output features per int8 tile, one a lane (engine/quant.py TILE)
+
 struct Int8Rows {
   std::vector<int8_t> q;   // [rows, in]
   std::vector<float> d;    // [rows, in / 32]
@@ -357,8 +359,8 @@ void int8_half_avx2(const Int8Layer& w, const Int8Rows& x, int64_t row0, int64_t
         magnitudes[r] = _mm256_abs_epi8(lanes[r]);
       }
     }
-    const __m256 dw = _mm256_loadu_ps(w.scales + tg * 16 + 8 * h);
-    const __m256 mw = Q4 ? _mm256_loadu_ps(w.mins + tg * 16 + 8 * h) : _mm256_setzero_ps();
+    const __m256 dw = _mm256_loadu_ps(w.scales + tg * LANES + 8 * h);
+    const __m256 mw = Q4 ? _mm256_loadu_ps(w.mins + tg * LANES + 8 * h) : _mm256_setzero_ps();
     for (int i = 0; i < ROWS; ++i) {
       const int64_t at = (row0 + i) * w.groups + g;
       const int8_t* xq = x.q.data() + at * GROUP;
@@ -390,7 +392,7 @@ bool use_vnni = cpu_has_vnni();  // eagle_cpu::set_vnni turns it off for tests
 // Tile t for ROWS rows, AVX-512 VNNI: the weights go in as unsigned bytes (Q8_0's shifted by 128, and 128 * s taken
 // off the integer sum after).
 template <int ROWS, bool Q4>
-VNNI void int8_tile_vnni(const Int8Layer& w, const Int8Rows& x, int64_t row0, int64_t t, float (*out)[16]) {
+VNNI void int8_tile_vnni(const Int8Layer& w, const Int8Rows& x, int64_t row0, int64_t t, float (*out)[LANES]) {
   const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[ROWS], mins[ROWS];
   for (int i = 0; i < ROWS; ++i) acc[i] = mins[i] = _mm512_setzero_ps();
@@ -407,8 +409,8 @@ VNNI void int8_tile_vnni(const Int8Layer& w, const Int8Rows& x, int64_t row0, in
     } else {
       for (int r = 0; r < 8; ++r) lanes[r] = _mm512_xor_si512(_mm512_loadu_si512(c + 64 * r), flip);
     }
-    const __m512 dw = _mm512_loadu_ps(w.scales + tg * 16);
-    const __m512 mw = Q4 ? _mm512_loadu_ps(w.mins + tg * 16) : _mm512_setzero_ps();
+    const __m512 dw = _mm512_loadu_ps(w.scales + tg * LANES);
+    const __m512 mw = Q4 ? _mm512_loadu_ps(w.mins + tg * LANES) : _mm512_setzero_ps();
     for (int i = 0; i < ROWS; ++i) {
       const int64_t at = (row0 + i) * w.groups + g;
       const int8_t* xq = x.q.data() + at * GROUP;
@@ -423,9 +425,9 @@ VNNI void int8_tile_vnni(const Int8Layer& w, const Int8Rows& x, int64_t row0, in
   for (int i = 0; i < ROWS; ++i) _mm512_storeu_ps(out[i], Q4 ? _mm512_add_ps(acc[i], mins[i]) : acc[i]);
 }
 
-// Tile t for rows row0 .. row0 + ROWS - 1 into a [ROWS][16] block.
+// Tile t for rows row0 .. row0 + ROWS - 1 into a [ROWS][LANES] block.
 template <int ROWS, bool Q4>
-void int8_tile(bool vnni, const Int8Layer& w, const Int8Rows& x, int64_t row0, int64_t t, float (*block)[16]) {
+void int8_tile(bool vnni, const Int8Layer& w, const Int8Rows& x, int64_t row0, int64_t t, float (*block)[LANES]) {
   if (vnni) {
     int8_tile_vnni<ROWS, Q4>(w, x, row0, t, block);
     return;
@@ -452,12 +454,12 @@ at::Tensor int8_linear(const at::Tensor& x, const Int8Layer& w, int64_t out_feat
   float* os = out.data_ptr<float>();
   const float* bs = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const bool vnni = use_vnni;
-  const int64_t tiles = (out_features + 15) / 16;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (16 * in));
+  const int64_t tiles = (out_features + LANES - 1) / LANES;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (LANES * in));
   at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
-    float block[4][16];
+    float block[4][LANES];
     for (int64_t t = first; t < last; ++t) {
-      const int64_t n0 = t * 16, valid = std::min<int64_t>(16, out_features - n0);
+      const int64_t n0 = t * LANES, valid = std::min<int64_t>(LANES, out_features - n0);
       for (int64_t i = 0; i < count; i += 4) {  // four rows at a time: more spill the registers (measured)
         const int rows_here = static_cast<int>(std::min<int64_t>(4, count - i));
         switch (rows_here) {
@@ -477,12 +479,12 @@ at::Tensor int8_linear(const at::Tensor& x, const Int8Layer& w, int64_t out_feat
 
 void check_repacked(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t chunk_bytes,
                     int64_t out_features) {
-  const int64_t in = x.size(-1), groups = in / GROUP, tiles = (out_features + 15) / 16;
+  const int64_t in = x.size(-1), groups = in / GROUP, tiles = (out_features + LANES - 1) / LANES;
   TORCH_CHECK(in % GROUP == 0, "int8 linear layers need in_features divisible by ", GROUP, ", got ", in);
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * chunk_bytes,
               "codes must be contiguous, repacked for ", out_features, " x ", in, " (engine/quant.py repack)");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({tiles, groups, 16}),
+                  scales.sizes() == at::IntArrayRef({tiles, groups, LANES}),
               "scales must be contiguous float32 [tiles, in_features / 32, 16]");
 }
 
@@ -825,7 +827,7 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
     const at::Tensor* w = weights.data() + layer * LAYER_TENSORS;
     const auto project = [&](int which, const at::Tensor& x) {
       const at::Tensor &codes = w[2 + 3 * which], &scales = w[3 + 3 * which], &mins = w[4 + 3 * which];
-      return int8 ? q4_1_int8_linear(x, codes, scales, mins, std::nullopt, scales.size(0) * 16)
+      return int8 ? q4_1_int8_linear(x, codes, scales, mins, std::nullopt, scales.size(0) * LANES)
                   : q4_1_linear(x, codes, scales, mins, std::nullopt);
     };
     const at::Tensor &keys = caches[2 * layer], &values = caches[2 * layer + 1];
@@ -864,7 +866,7 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
   const int64_t rows = hidden.size(1);
   const auto project = [&](int which, const at::Tensor& x) {
     const at::Tensor &codes = weights[3 + 2 * which], &scales = weights[4 + 2 * which];
-    return int8 ? q8_0_int8_linear(x, codes, scales, std::nullopt, scales.size(0) * 16)
+    return int8 ? q8_0_int8_linear(x, codes, scales, std::nullopt, scales.size(0) * LANES)
                 : q8_0_linear(x, codes, scales, std::nullopt);
   };
   const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(hidden, weights[1], eps)}, -1);
