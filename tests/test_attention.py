@@ -55,10 +55,11 @@ def test_attention_computes_what_sdpa_does(attention, dtype, mask_kind):
 
 
 @pytest.mark.parametrize("attention,dtype", ATTENTIONS)
-def test_rows_do_not_depend_on_batch_or_key_layout(attention, dtype):
+@pytest.mark.parametrize("prefix,rows", [(300, 12), (1000, 70)])
+def test_rows_do_not_depend_on_batch_or_key_layout(attention, dtype, prefix, rows):
     """One query at a time over a growing cache (decoding) vs all at once vs a tree layout with masked nodes between
-    the path's keys: the same bits. torch's SDPA fails this on the same tensors."""
-    prefix, rows = 300, 12
+    the path's keys: the same bits. torch's SDPA fails this on the same tensors. (1000, 70): the kernel scores the
+    keys in several stretches and takes the rows in two blocks."""
     q, k, v = _qkv(rows, prefix + rows, dtype)
     attn = GroupedAttention()
     one_by_one = torch.cat([
@@ -94,6 +95,30 @@ def test_a_query_head_does_not_depend_on_the_heads_beside_it(heads, kv_heads, di
         g = slice(h // group, h // group + 1)
         alone, _ = fixed_order_attention(None, q[:, h : h + 1], k[:, g], v[:, g], mask)
         assert torch.equal(alone[:, :, 0], together[:, :, h]), h
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 96), (6, 1, 40)])
+def test_the_avx512_attention_gives_the_8_lane_paths_bits(heads, kv_heads, dim):
+    """Keys two to a 16-lane vector for the scores, 16 output dimensions a vector for the values, 16 exponentials at
+    a time, each lane the 8-lane path's operations: the same bits on a CPU with AVX-512 as on one with AVX2 alone,
+    for visible-key counts that leave every remainder of 4, 8 and 16, over several stretches of keys."""
+    if not torch.ops.eagle_cpu.set_wide(True):
+        pytest.skip("this CPU has no AVX-512 (avx512f and avx512dq): the 8-lane path is the only one")
+    q, k, v = _qkv(rows=19, length=700, dtype=torch.float32, heads=heads, kv_heads=kv_heads, dim=dim)
+    visible = torch.rand(19, 700, generator=torch.Generator().manual_seed(2)) < 0.8
+    for i in range(19):  # at least 680 - 13 i keys: every remainder
+        visible[i, : 680 - 13 * i] = True
+    visible[3] = False  # a row that sees nothing
+    try:
+        for mask in (None, _additive(visible, torch.float32)):
+            wide, _ = fixed_order_attention(None, q, k, v, mask)
+            torch.ops.eagle_cpu.set_wide(False)
+            narrow, _ = fixed_order_attention(None, q, k, v, mask)
+            torch.ops.eagle_cpu.set_wide(True)
+            assert torch.equal(wide, narrow)
+    finally:
+        torch.ops.eagle_cpu.set_wide(True)
 
 
 def _small_engine(dtype: torch.dtype, kernels: str) -> Engine:

@@ -72,13 +72,13 @@ def report(assets):
         "--max-new-tokens", str(MAX_NEW), "--methods", ",".join(METHODS), "--compare-head", f"e1={assets / 'head1'}",
         "--total-tokens", "6", "--depth", "2", "--draft-top-k", "3",
         "--dtype", "float32",  # where hf (transformers' kernels) must equal vanilla too
-        "--json", str(assets / "out.json"), "--plot", str(assets / "out.png"),
+        "--json", str(assets / "runs" / "out.json"), "--plot", str(assets / "plots" / "out.png"),  # folders not there yet
     ]
     return main(argv)
 
 
 def test_json_schema_and_tau(assets, report):
-    saved = json.loads((assets / "out.json").read_text())
+    saved = json.loads((assets / "runs" / "out.json").read_text())
     assert saved["summary"].keys() == {*METHODS, "e1"}
     assert saved["config"]["compare_heads"] == {"e1": str(assets / "head1")}
     assert saved["config"]["packed"] is True  # the engine packs; hf and hf-pld ran on an unpacked copy
@@ -158,7 +158,7 @@ def test_hf_can_run_in_another_dtype(assets, capsys):
 
 
 def test_plot_is_png(assets, report):
-    assert (assets / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (assets / "plots" / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_unknown_method_is_refused(assets, capsys):

@@ -12,7 +12,8 @@
 //    products (exact in any order), then one fixed float sequence per output feature (section "int8 activations");
 //  - attention: softmax(q.k * scale + mask) v per (row, head) over the keys the row sees, gathered in key order
 //    first, so masked keys between them (a tree's other branches) change nothing; the query heads that share a
-//    key/value head go through together, each key and value loaded once for them.
+//    key/value head go through together, and so do the rows of a call (a tree's nodes), each key and value read
+//    from memory once for all of them.
 // Then two whole forwards built from those and torch's own ops, in transformers' order (engine/fused.py): a q4
 // Llama's decoder (llama_forward) and an EAGLE-3 head's layer (eagle3_layer), without Python between their ops.
 #include <ATen/ATen.h>
@@ -22,12 +23,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -525,6 +527,23 @@ __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+WIDE __m512 exp_nonpositive_wide(__m512 x) {  // exp_nonpositive on 16 lanes, lane for lane the same operations
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
 struct Heads {  // strided [B, H, L, D] views, D contiguous
   const float* data;
   int64_t batch, head, pos;
@@ -541,34 +560,56 @@ Heads heads_of(const at::Tensor& t) {
 struct Visible {
   std::vector<int64_t> keys;
   std::vector<float> bias;
+  int64_t count() const { return static_cast<int64_t>(keys.size()); }
 };
 
-// Q query heads that share a key/value head and a row, over the keys the row sees, in three passes that load every key
-// and value vector once for the Q of them. Each pass runs per (query, key) or per (query, output) one fixed sequence
-// that depends on neither Q, nor the rows and heads beside it, nor where the keys sit in the cache: so neither do the
-// bits. weights: [Q, padded] scores, then probabilities; scores take the row's visible keys in order.
-struct Attending {
-  const Heads &k, &v;
-  int64_t b, g, dim;
-  const Visible& seen;
-  int64_t count, padded;
-  float* weights;
-};
+// The visible keys of each (batch, row), flattened b * rows + i, of a mask as attention() takes it: additive float
+// [1 or B, 1, M, >= L], a key hidden where it is -FLT_MAX or below; absent: causal, the M queries being the last M of
+// the L positions. One scan serves every layer of a forward.
+std::vector<Visible> visible_rows(const std::optional<at::Tensor>& mask, int64_t batch, int64_t rows, int64_t length) {
+  std::vector<Visible> visible(batch * rows);
+  if (!mask.has_value()) {
+    for (int64_t r = 0; r < batch * rows; ++r) {
+      Visible& seen = visible[r];
+      seen.keys.resize(length - rows + r % rows + 1);
+      std::iota(seen.keys.begin(), seen.keys.end(), 0);
+      seen.bias.assign(seen.keys.size(), 0.f);
+    }
+    return visible;
+  }
+  TORCH_CHECK(mask->scalar_type() == at::kFloat && mask->dim() == 4 && mask->size(1) == 1 &&
+                  (mask->size(0) == 1 || mask->size(0) == batch) && mask->size(2) == rows &&
+                  mask->size(3) >= length && mask->stride(3) == 1,
+              "attention: the mask must be float32 [1 or B, 1, M, >= L] with a contiguous last dimension");
+  const float* bias = mask->data_ptr<float>();
+  const int64_t bias_batch = mask->size(0) == 1 ? 0 : mask->stride(0), bias_row = mask->stride(2);
+  for (int64_t r = 0; r < batch * rows; ++r) {
+    const float* row = bias + r / rows * bias_batch + r % rows * bias_row;
+    Visible& seen = visible[r];
+    for (int64_t j = 0; j < length; ++j)
+      if (row[j] > -FLT_MAX) seen.keys.push_back(j), seen.bias.push_back(row[j]);
+  }
+  return visible;
+}
 
-// Score = hsum of one 8-lane accumulator over the head dimension in order, * scale + mask (four keys side by side:
-// 4 Q independent FMA chains, their hsums four at a time). Returns each query's largest score.
+// Ask for `bytes` from p on into L1 ahead of use (one row of a call does, for the rows after it): keys and values
+// stream from memory faster than the hardware prefetcher alone fetches them.
+inline void prefetch(const float* p, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + c, _MM_HINT_T0);
+}
+
+// Score = hsum of one 8-lane accumulator over the head dimension in order, * scale + mask, for Q query heads that
+// share a key/value head, over `count` of a row's visible keys (four keys side by side: 4 Q independent FMA chains,
+// their hsums four at a time; the last count % 4 one at a time). A key's score is the same sequence whichever of
+// the two ways it takes, and which one depends only on its place among the row's visible keys.
 template <int Q>
-std::array<float, Q> score_keys(const Attending& a, const float* const* queries, float scale) {
-  const Heads k = a.k;  // local copies: the stores into weights cannot then alias them
-  const int64_t *keys = a.seen.keys.data(), b = a.b, g = a.g, dim = a.dim, count = a.count, padded = a.padded;
-  const float* masks = a.seen.bias.data();
-  float* __restrict weights = a.weights;
-  __m128 top[Q];
-  for (int h = 0; h < Q; ++h) top[h] = _mm_set1_ps(-FLT_MAX);
+void score_keys(const Heads& k, int64_t b, int64_t g, int64_t dim, const int64_t* keys, const float* masks,
+                int64_t count, const float* const* queries, float scale, float* const* weights, bool fetch) {
   int64_t j = 0;
   for (; j + 4 <= count; j += 4) {
     const float* key[4];
     for (int t = 0; t < 4; ++t) key[t] = k.at(b, g, keys[j + t]);
+    if (fetch && j + 32 < count) prefetch(k.at(b, g, keys[j + 32]), 4 * dim * 4);
     __m256 acc[Q][4];
     for (int h = 0; h < Q; ++h)
       for (int t = 0; t < 4; ++t) acc[h][t] = _mm256_setzero_ps();
@@ -580,35 +621,63 @@ std::array<float, Q> score_keys(const Attending& a, const float* const* queries,
     const __m128 bias = _mm_loadu_ps(masks + j);
     for (int h = 0; h < Q; ++h) {
       const __m128 sums = hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-      const __m128 w = _mm_add_ps(_mm_mul_ps(sums, _mm_set1_ps(scale)), bias);
-      _mm_storeu_ps(weights + h * padded + j, w);
-      top[h] = _mm_max_ps(top[h], w);
+      _mm_storeu_ps(weights[h] + j, _mm_add_ps(_mm_mul_ps(sums, _mm_set1_ps(scale)), bias));
     }
   }
-  std::array<float, Q> most;
-  for (int h = 0; h < Q; ++h) {
-    alignas(16) float lanes[4];
-    _mm_store_ps(lanes, top[h]);
-    most[h] = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
-  }
-  for (; j < count; ++j) {  // the last keys one at a time
+  for (; j < count; ++j) {
     const float* key = k.at(b, g, keys[j]);
     for (int h = 0; h < Q; ++h) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t d = 0; d < dim; d += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(queries[h] + d), _mm256_loadu_ps(key + d), acc);
-      const float w = hsum(acc) * scale + masks[j];
-      weights[h * padded + j] = w;
-      most[h] = std::max(most[h], w);
+      weights[h][j] = hsum(acc) * scale + masks[j];
     }
   }
-  return most;
 }
 
-// One query's scores become exp(score - its largest) in place; returns their sum (8-lane blocks in key order, hsum).
-float exponentiate(float* w, int64_t count, float most) {
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t i = 0; i < count; i += 8) {
+// score_keys on AVX-512, eight keys at a time: one 16-lane vector holds the 8-lane accumulators of keys t and t + 4
+// side by side, each making the very operations of the 8-lane path; the rest of the keys go to score_keys.
+template <int Q>
+WIDE void score_keys_wide(const Heads& k, int64_t b, int64_t g, int64_t dim, const int64_t* keys, const float* masks,
+                          int64_t count, const float* const* queries, float scale, float* const* weights,
+                          bool fetch) {
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    const float* key[8];
+    for (int t = 0; t < 8; ++t) key[t] = k.at(b, g, keys[j + t]);
+    if (fetch && j + 32 < count) prefetch(k.at(b, g, keys[j + 32]), 8 * dim * 4);
+    __m512 acc[Q][4];
+    for (int h = 0; h < Q; ++h)
+      for (int t = 0; t < 4; ++t) acc[h][t] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+      __m512 pairs[4];
+      for (int t = 0; t < 4; ++t)
+        pairs[t] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(key[t] + d)),
+                                      _mm256_loadu_ps(key[t + 4] + d), 1);
+      for (int h = 0; h < Q; ++h) {
+        const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(queries[h] + d));
+        for (int t = 0; t < 4; ++t) acc[h][t] = _mm512_fmadd_ps(qv, pairs[t], acc[h][t]);
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      const __m128 bias = _mm_loadu_ps(masks + j + 4 * half);
+      for (int h = 0; h < Q; ++h) {
+        __m256 a[4];
+        for (int t = 0; t < 4; ++t)
+          a[t] = half ? _mm512_extractf32x8_ps(acc[h][t], 1) : _mm512_castps512_ps256(acc[h][t]);
+        const __m128 sums = hsum4(a[0], a[1], a[2], a[3]);
+        _mm_storeu_ps(weights[h] + j + 4 * half, _mm_add_ps(_mm_mul_ps(sums, _mm_set1_ps(scale)), bias));
+      }
+    }
+  }
+  float* rest[3];
+  for (int h = 0; h < Q; ++h) rest[h] = weights[h] + j;
+  score_keys<Q>(k, b, g, dim, keys + j, masks + j, count - j, queries, scale, rest, fetch);
+}
+
+// exp(score - most) in place for keys from .. count of one query, its 8-lane blocks added to total in key order.
+__m256 exponentiate_from(float* w, int64_t from, int64_t count, float most, __m256 total) {
+  for (int64_t i = from; i < count; i += 8) {
     const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(w + i), _mm256_set1_ps(most)));
     const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - i)),
                                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
@@ -616,42 +685,219 @@ float exponentiate(float* w, int64_t count, float most) {
     _mm256_storeu_ps(w + i, kept);
     total = _mm256_add_ps(total, kept);
   }
-  return hsum(total);
+  return total;
 }
 
-// Each output dimension: the sum over keys in order of weight * value, then / the weights' sum; WIDTH 8-lane vectors
-// of the head dimension per pass over the keys (a width that divides it: accumulators stay in registers).
-template <int Q, int WIDTH>
-void mix_values(const Attending& a, const std::array<float, Q>& totals, float* const* outs) {
-  const Heads v = a.v;
-  const int64_t *keys = a.seen.keys.data(), b = a.b, g = a.g, count = a.count, padded = a.padded;
-  const float* weights = a.weights;
-  for (int64_t d0 = 0; d0 < a.dim; d0 += 8 * WIDTH) {
-    __m256 acc[Q][WIDTH];
-    for (int h = 0; h < Q; ++h)
-      for (int x = 0; x < WIDTH; ++x) acc[h][x] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < count; ++i) {
-      const float* value = v.at(b, g, keys[i]) + d0;
-      for (int x = 0; x < WIDTH; ++x) {
-        const __m256 vx = _mm256_loadu_ps(value + 8 * x);
-        for (int h = 0; h < Q; ++h)
-          acc[h][x] = _mm256_fmadd_ps(_mm256_set1_ps(weights[h * padded + i]), vx, acc[h][x]);
-      }
-    }
-    for (int h = 0; h < Q; ++h)
-      for (int x = 0; x < WIDTH; ++x)
-        _mm256_storeu_ps(outs[h] + d0 + 8 * x, _mm256_div_ps(acc[h][x], _mm256_set1_ps(totals[h])));
+// One query's scores become exp(score - their largest) in place; returns their sum (8-lane blocks in key order,
+// hsum). w has room for count rounded up to 8.
+float exponentiate(float* w, int64_t count) {
+  const float most = *std::max_element(w, w + count);
+  return hsum(exponentiate_from(w, 0, count, most, _mm256_setzero_ps()));
+}
+
+WIDE float exponentiate_wide(float* w, int64_t count) {  // the same on 16 lanes, the sum still 8-lane blocks in order
+  __m512 top = _mm512_set1_ps(-FLT_MAX);
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(w + i));
+  float most = _mm512_reduce_max_ps(top);
+  for (; i < count; ++i) most = std::max(most, w[i]);
+  __m256 total = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= count; j += 16) {
+    const __m512 e = exp_nonpositive_wide(_mm512_sub_ps(_mm512_loadu_ps(w + j), _mm512_set1_ps(most)));
+    _mm512_storeu_ps(w + j, e);
+    total = _mm256_add_ps(_mm256_add_ps(total, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
   }
+  return hsum(exponentiate_from(w, j, count, most, total));
 }
 
-template <int Q>
-void attend_heads(const Attending& a, const float* const* queries, float scale, float* const* outs) {
-  const std::array<float, Q> most = score_keys<Q>(a, queries, scale);
-  std::array<float, Q> totals;
-  for (int h = 0; h < Q; ++h) totals[h] = exponentiate(a.weights + h * a.padded, a.count, most[h]);
-  constexpr int WIDTH = Q == 1 ? 8 : 4;  // registers: Q * WIDTH accumulators
-  if (a.dim % (8 * WIDTH) == 0) mix_values<Q, WIDTH>(a, totals, outs);
-  else mix_values<Q, 1>(a, totals, outs);
+// Output dimensions d0 .. d0 + 8 WIDTH of Q query heads: the sum over the row's visible keys in order of weight *
+// value, then / the weights' sum (Q * WIDTH accumulators in registers).
+template <int Q, int WIDTH>
+void mix_values(const Heads& v, int64_t b, int64_t g, const Visible& seen, const float* const* weights,
+                const float* totals, int64_t d0, float* const* outs, bool fetch) {
+  const int64_t* keys = seen.keys.data();
+  const int64_t count = seen.count();
+  __m256 acc[Q][WIDTH];
+  for (int h = 0; h < Q; ++h)
+    for (int x = 0; x < WIDTH; ++x) acc[h][x] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    const float* value = v.at(b, g, keys[i]) + d0;
+    if (fetch && i + 32 < count) prefetch(v.at(b, g, keys[i + 32]) + d0, 32 * WIDTH);
+    for (int x = 0; x < WIDTH; ++x) {
+      const __m256 vx = _mm256_loadu_ps(value + 8 * x);
+      for (int h = 0; h < Q; ++h) acc[h][x] = _mm256_fmadd_ps(_mm256_set1_ps(weights[h][i]), vx, acc[h][x]);
+    }
+  }
+  for (int h = 0; h < Q; ++h)
+    for (int x = 0; x < WIDTH; ++x)
+      _mm256_storeu_ps(outs[h] + d0 + 8 * x, _mm256_div_ps(acc[h][x], _mm256_set1_ps(totals[h])));
+}
+
+// mix_values on AVX-512: 16 output dimensions a vector, each lane the same sequence (WIDTH even).
+template <int Q, int WIDTH>
+WIDE void mix_values_wide(const Heads& v, int64_t b, int64_t g, const Visible& seen, const float* const* weights,
+                          const float* totals, int64_t d0, float* const* outs, bool fetch) {
+  constexpr int VECTORS = WIDTH / 2;
+  const int64_t* keys = seen.keys.data();
+  const int64_t count = seen.count();
+  __m512 acc[Q][VECTORS];
+  for (int h = 0; h < Q; ++h)
+    for (int x = 0; x < VECTORS; ++x) acc[h][x] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    const float* value = v.at(b, g, keys[i]) + d0;
+    if (fetch && i + 32 < count) prefetch(v.at(b, g, keys[i + 32]) + d0, 32 * WIDTH);
+    for (int x = 0; x < VECTORS; ++x) {
+      const __m512 vx = _mm512_loadu_ps(value + 16 * x);
+      for (int h = 0; h < Q; ++h) acc[h][x] = _mm512_fmadd_ps(_mm512_set1_ps(weights[h][i]), vx, acc[h][x]);
+    }
+  }
+  for (int h = 0; h < Q; ++h)
+    for (int x = 0; x < VECTORS; ++x)
+      _mm512_storeu_ps(outs[h] + d0 + 16 * x, _mm512_div_ps(acc[h][x], _mm512_set1_ps(totals[h])));
+}
+
+// f(std::integral_constant<int, n>) for n = 1, 2 or 3 query heads side by side: the kernels' template argument.
+template <typename F>
+void with_heads(int64_t n, F f) {
+  if (n == 3) f(std::integral_constant<int, 3>{});
+  else if (n == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
+}
+
+// One block of query rows of an attention call. Its three passes (scores, softmax, value sums) each split into
+// tasks that keep both threads busy whatever the rows: a key/value head's keys in stretches, (row, head) pairs,
+// a key/value head's output dimensions in slices; in the first and last every row of the block goes through the
+// stretch or slice in turn, so a key or value the rows share is read from memory once for all of them (a tree's
+// nodes share the whole context). No pass changes any query's sequence of operations, so the bits stay a function
+// of the row's visible keys alone.
+struct Block {
+  const Heads &q, &k, &v;
+  const std::vector<Visible>& visible;
+  int64_t rows, heads, kv_heads, dim;  // rows: of each batch entry, to find a flattened row's batch entry
+  int64_t first, last;                 // flattened rows
+  float scale;
+  float* out;                          // [B * M, heads, dim]
+  int64_t padded;                      // room per (row, head) in weights: the longest visible count, to a multiple of 8
+  std::unique_ptr<float[]> weights;    // [rows of the block, heads, padded], written before it is read
+  std::vector<float> totals;           // [rows of the block, heads]
+  bool wide = use_wide;                // the AVX-512 path, with the same bits
+
+  int64_t together() const { return std::min<int64_t>(heads / kv_heads, 3); }  // query heads handled side by side
+  int64_t parts() const { return (heads / kv_heads + together() - 1) / together(); }
+  float* weights_of(int64_t r, int64_t h) { return weights.get() + ((r - first) * heads + h) * padded; }
+
+  // body(h0, n, queries, weights, outs) for the n query heads from h0 on of part `part` of key/value head g, row r
+  template <typename Body>
+  void heads_of_part(int64_t r, int64_t g, int64_t part, Body body) {
+    const int64_t h0 = g * (heads / kv_heads) + part * together();
+    const int64_t n = std::min(together(), (g + 1) * (heads / kv_heads) - h0);
+    const float* queries[3];
+    float* ws[3];
+    float* outs[3];
+    for (int64_t h = 0; h < n; ++h) {
+      queries[h] = q.at(r / rows, h0 + h, r % rows);
+      ws[h] = weights_of(r, h0 + h);
+      outs[h] = out + (r * heads + h0 + h) * dim;
+    }
+    body(h0, n, queries, ws, outs);
+  }
+
+  void score(int64_t stretch) {
+    int64_t longest = 0;
+    for (int64_t r = first; r < last; ++r) longest = std::max(longest, visible[r].count());
+    const int64_t stretches = std::max<int64_t>(1, (longest + stretch - 1) / stretch);
+    const int64_t length = (longest + stretches - 1) / stretches / 8 * 8 + 8;  // a multiple of 4: see score_keys
+    at::parallel_for(0, kv_heads * parts() * stretches, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t s = task % stretches, part = task / stretches % parts(), g = task / stretches / parts();
+        for (int64_t r = first; r < last; ++r) {
+          const Visible& seen = visible[r];
+          const int64_t from = s * length, to = std::min(seen.count(), from + length);
+          if (from >= to) continue;
+          heads_of_part(r, g, part, [&](int64_t, int64_t n, const float* const* queries, float* const* ws, float**) {
+            float* at[3];
+            for (int64_t h = 0; h < n; ++h) at[h] = ws[h] + from;
+            const int64_t b = r / rows, *keys = seen.keys.data() + from, count = to - from;
+            const float* masks = seen.bias.data() + from;
+            with_heads(n, [&](auto q_heads) {
+              constexpr int Q = decltype(q_heads)::value;
+              (wide ? score_keys_wide<Q> : score_keys<Q>)(k, b, g, dim, keys, masks, count, queries, scale, at,
+                                                         r == first);
+            });
+          });
+        }
+      }
+    });
+  }
+
+  void softmax() {
+    at::parallel_for(0, (last - first) * heads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t r = first + task / heads, h = task % heads;
+        if (visible[r].count() > 0)
+          totals[task] = (wide ? exponentiate_wide : exponentiate)(weights_of(r, h), visible[r].count());
+      }
+    });
+  }
+
+  template <int WIDTH>
+  void mix() {
+    const int64_t slices = dim / (8 * WIDTH);
+    at::parallel_for(0, kv_heads * parts() * slices, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t d0 = task % slices * 8 * WIDTH, part = task / slices % parts(), g = task / slices / parts();
+        for (int64_t r = first; r < last; ++r)
+          heads_of_part(r, g, part, [&](int64_t h0, int64_t n, const float* const*, float* const* ws, float** outs) {
+            const Visible& seen = visible[r];
+            if (seen.count() == 0) {  // a row that sees no key gets zeros
+              for (int64_t h = 0; h < n; ++h) std::fill(outs[h] + d0, outs[h] + d0 + 8 * WIDTH, 0.f);
+              return;
+            }
+            const float* sums = totals.data() + (r - first) * heads + h0;
+            const int64_t b = r / rows;
+            with_heads(n, [&](auto q_heads) {
+              constexpr int Q = decltype(q_heads)::value;
+              (wide && WIDTH % 2 == 0 ? mix_values_wide<Q, WIDTH> : mix_values<Q, WIDTH>)(v, b, g, seen, ws, sums,
+                                                                                        d0, outs, r == first);
+            });
+          });
+      }
+    });
+  }
+};
+
+constexpr int64_t STRETCH = 256;               // keys per scoring task, at most
+constexpr int64_t BLOCK_WEIGHTS = 1 << 19;    // floats of scores a block of rows holds, at most (prefill)
+
+// query [B, H, M, D], key/value [B, Hkv, L, D] (views of a longer cache are fine), the visible keys of each
+// (batch, row) (visible_rows). Returns [B, M, H, D].
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  const std::vector<Visible>& visible, double scale) {
+  const Heads q = heads_of(query), k = heads_of(key), v = heads_of(value);
+  const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
+  const int64_t kv_heads = key.size(1);
+  TORCH_CHECK(dim % 8 == 0, "attention needs a head_dim divisible by 8, got ", dim);
+  TORCH_CHECK(heads % kv_heads == 0 && value.sizes() == key.sizes() && key.size(0) == batch && key.size(3) == dim,
+              "attention: query [B, H, M, D] and key/value [B, Hkv, L, D] with H a multiple of Hkv");
+  TORCH_CHECK(static_cast<int64_t>(visible.size()) == batch * rows, "attention: visible keys for ", visible.size(),
+              " rows, not ", batch * rows);
+  at::Tensor out = at::empty({batch, rows, heads, dim}, query.options());
+  int64_t longest = 0;
+  for (const Visible& seen : visible) longest = std::max(longest, seen.count());
+  const int64_t padded = std::max<int64_t>(8, (longest + 7) / 8 * 8);
+  const int64_t per_block = std::max<int64_t>(1, BLOCK_WEIGHTS / (heads * padded));
+  for (int64_t first = 0; first < batch * rows; first += per_block) {
+    const int64_t last = std::min(batch * rows, first + per_block);
+    Block block{q, k, v, visible, rows, heads, kv_heads, dim, first, last, static_cast<float>(scale),
+                out.data_ptr<float>(), padded, std::unique_ptr<float[]>(new float[(last - first) * heads * padded]),
+                std::vector<float>((last - first) * heads)};
+    block.score(STRETCH);
+    block.softmax();
+    if (dim % 32 == 0) block.mix<4>();
+    else block.mix<1>();
+  }
+  return out;
 }
 
 // query [B, H, M, D], key/value [B, Hkv, L, D] (views of a longer cache are fine), mask additive float [Bm, 1, M, >=L]
@@ -659,71 +905,7 @@ void attend_heads(const Attending& a, const float* const* queries, float scale, 
 // Returns [B, M, H, D].
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const std::optional<at::Tensor>& mask, double scale) {
-  const Heads q = heads_of(query), k = heads_of(key), v = heads_of(value);
-  const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
-  const int64_t kv_heads = key.size(1), length = key.size(2);
-  TORCH_CHECK(dim % 8 == 0, "attention needs a head_dim divisible by 8, got ", dim);
-  TORCH_CHECK(heads % kv_heads == 0 && value.sizes() == key.sizes() && key.size(0) == batch && key.size(3) == dim,
-              "attention: query [B, H, M, D] and key/value [B, Hkv, L, D] with H a multiple of Hkv");
-  const float* bias = nullptr;
-  int64_t bias_batch = 0, bias_row = 0;
-  if (mask.has_value()) {
-    TORCH_CHECK(mask->scalar_type() == at::kFloat && mask->dim() == 4 && mask->size(1) == 1 &&
-                    (mask->size(0) == 1 || mask->size(0) == batch) && mask->size(2) == rows &&
-                    mask->size(3) >= length && mask->stride(3) == 1,
-                "attention: the mask must be float32 [1 or B, 1, M, >= L] with a contiguous last dimension");
-    bias = mask->data_ptr<float>();
-    bias_batch = mask->size(0) == 1 ? 0 : mask->stride(0);
-    bias_row = mask->stride(2);
-  }
-  std::vector<Visible> visible(batch * rows);  // per (batch, row), shared by its heads
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t i = 0; i < rows; ++i) {
-      Visible& seen = visible[b * rows + i];
-      if (bias) {
-        const float* row = bias + b * bias_batch + i * bias_row;
-        for (int64_t j = 0; j < length; ++j)
-          if (row[j] > -FLT_MAX) seen.keys.push_back(j), seen.bias.push_back(row[j]);
-      } else {
-        seen.keys.resize(length - rows + i + 1);
-        std::iota(seen.keys.begin(), seen.keys.end(), 0);
-        seen.bias.assign(seen.keys.size(), 0.f);
-      }
-    }
-  at::Tensor out = at::empty({batch, rows, heads, dim}, query.options());
-  float* os = out.data_ptr<float>();
-  const int64_t groups = heads / kv_heads;
-  // A task: up to three query heads of one key/value head and one row (three on 2 threads beat nine single heads,
-  // measured for one-token decoding too).
-  const int64_t together = std::min<int64_t>(groups, 3);
-  const int64_t parts = (groups + together - 1) / together;
-  at::parallel_for(0, batch * rows * kv_heads * parts, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> weights;
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t part = task % parts, g = task / parts % kv_heads, i = task / parts / kv_heads % rows,
-                    b = task / parts / kv_heads / rows;
-      const int64_t h0 = g * groups + part * together, n = std::min(together, (g + 1) * groups - h0);
-      const Visible& seen = visible[b * rows + i];
-      const float* queries[3];
-      float* outs[3];
-      for (int64_t h = 0; h < n; ++h) {
-        queries[h] = q.at(b, h0 + h, i);
-        outs[h] = os + ((b * rows + i) * heads + h0 + h) * dim;
-      }
-      if (seen.keys.empty()) {
-        for (int64_t h = 0; h < n; ++h) std::fill(outs[h], outs[h] + dim, 0.f);
-        continue;
-      }
-      const int64_t count = static_cast<int64_t>(seen.keys.size()), padded = (count + 7) / 8 * 8;
-      weights.assign(n * padded, 0.f);
-      const Attending a{k, v, b, g, dim, seen, count, padded, weights.data()};
-      const float s = static_cast<float>(scale);
-      if (n == 3) attend_heads<3>(a, queries, s, outs);
-      else if (n == 2) attend_heads<2>(a, queries, s, outs);
-      else attend_heads<1>(a, queries, s, outs);
-    }
-  });
-  return out;
+  return attend(query, key, value, visible_rows(mask, query.size(0), query.size(2), key.size(2)), scale);
 }
 
 // transformers' LlamaRMSNorm, w * (x * rsqrt(mean(x^2) + eps)), each step rounded as torch rounds it: torch's own
@@ -821,6 +1003,7 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
                 " positions");
   std::vector<at::Tensor> out(1 + capture.size());
   at::Tensor h = embeddings.contiguous().clone();  // the residual stream, added to in place
+  const std::vector<Visible> visible = visible_rows(mask, 1, rows, end);  // the same in every layer
   for (int64_t layer = 0; layer < layers; ++layer) {
     for (size_t i = 0; i < capture.size(); ++i)
       if (capture[i] == layer) out[1 + i] = h.clone();
@@ -836,7 +1019,7 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
     const at::Tensor q = rotate(split_heads(qkv, 0, qf, head_dim), cos, sin);
     rotate_into(split_heads(qkv, qf, kv, head_dim), cos, sin, keys.slice(2, start, end));
     values.slice(2, start, end).copy_(split_heads(qkv, qf + kv, kv, head_dim));
-    const at::Tensor attended = attention(q, keys.slice(2, 0, end), values.slice(2, 0, end), mask, scale);
+    const at::Tensor attended = attend(q, keys.slice(2, 0, end), values.slice(2, 0, end), visible, scale);
     add_into(h, project(1, attended.reshape({1, rows, -1})));
     add_into(h, project(3, gated(project(2, rms_norm(h, w[1], eps)))));
   }

@@ -187,6 +187,9 @@ def check_args(args: argparse.Namespace) -> Setup:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
     if not args.context and "suffix" in parse_methods(args.methods):
         raise ValueError("--no-suffix turns off the context drafting that method suffix is made of")
+    for out in (args.json_out, args.plot):  # before minutes of decoding, not after
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
     return Setup(
         methods=parse_methods(args.methods), compare_heads=parse_compare_heads(args.compare_head),
         questions=load_questions(args.questions, args.limit), params=decode_params(args),
