@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import tokens_of
 from engine import DecodeParams, Engine
-from engine.tools.bench import METHODS, main
+from engine.tools.bench import METHODS, exactness_exempt, main
 from engine.tools.report import exactness_warnings, print_table, summarize
 from engine.tools.runs import Run
 from engine.draft.checkpoint import new_head, save_head
@@ -145,6 +145,14 @@ def test_mismatch_is_warned():
     ]
     summary["hf"]["matches_vanilla"] = 1  # hf in another dtype than the engine: reported, not warned
     assert len(exactness_warnings(summary, 3, exempt={"hf"})) == 1
+
+
+def test_hf_is_held_to_vanilla_tokens_only_where_it_runs_the_engines_model():
+    config = {"methods": ["vanilla", "eagle", "hf", "llama.cpp"], "dtype": "float32", "hf_dtype": "float32",
+              "kernels": "float"}
+    assert exactness_exempt(config) == {"llama.cpp"}
+    assert exactness_exempt({**config, "kernels": "int8"}) == {"hf", "llama.cpp"}  # hf: float weights, not groups
+    assert exactness_exempt({**config, "hf_dtype": "bfloat16"}) == {"hf", "llama.cpp"}
 
 
 def test_hf_can_run_in_another_dtype(assets, capsys):

@@ -12,7 +12,7 @@ from engine import Engine
 from engine.models import load_base
 from engine.train.data import encode_prompt, first_prompt, read_conversations, stop_ids
 from engine.train import generation
-from engine.train.generation import SlotCache, generate_replies, prepare_model
+from engine.train.generation import SlotCache, generate_replies, load_generation_model, prepare_model
 
 STOPS = [5, 6]  # frequent in these random models' output: replies end at many lengths
 
@@ -96,3 +96,23 @@ def test_real_model_batch_equals_plain_greedy_on_sharegpt_prompts():
     assert len({len(p) for p in prompts}) > 1
     replies = dict(generate_replies(model, prompts, stop_ids(tokenizer, model), 16, slots=4))
     assert [replies[i] for i in range(len(prompts))] == [plain_greedy(engine, p, 16) for p in prompts]
+
+
+@pytest.mark.parametrize("kernels", ["int8", "q4"])
+def test_the_engines_grouped_model_generates_its_own_plain_greedy_replies(kernels):
+    """The default data command regenerates with the model the engine decodes (the GGUF's groups on int8 or q4
+    kernels), its rows batched through transformers' forward: each reply is that engine's plain greedy decoding."""
+    model, tokenizer = load_generation_model(None, "cpu", kernels=kernels)
+    engine = Engine.load(None, head=None, kernels=kernels)
+    assert engine.kernels == kernels and model.config._attn_implementation == engine.model.config._attn_implementation
+    firsts = (encode_prompt(tokenizer, m) for m in map(first_prompt, read_conversations()) if m)
+    prompts = list(itertools.islice((p for p in firsts if len(p) <= 64), 6))
+    replies = dict(generate_replies(model, prompts, stop_ids(tokenizer, model), 24, slots=4))
+    assert [replies[i] for i in range(len(prompts))] == [plain_greedy(engine, p, 24) for p in prompts]
+
+
+def test_the_data_command_takes_the_engines_kernels_for_a_gguf_base_and_the_float_path_elsewhere():
+    model, _ = load_generation_model(None, "cpu")
+    assert model.model.layers[0].mlp.down_proj.int8  # auto = the engine's default for the embedded GGUF
+    model, _ = load_generation_model(None, "cpu", gen_dtype="float32", kernels="float")
+    assert model.config._attn_implementation == generation.FUSED_WIDE

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..models import load_base, load_tokenizer
+from ..quant import KERNELS
 from .data import TURNS
 from .fit import FitConfig
 
@@ -38,6 +39,8 @@ def _data_args(parser: argparse.ArgumentParser) -> None:
                         help="regenerate replies with the base model (self-distillation) or keep the source's")
     parser.add_argument("--gen-dtype", default="auto", help="base model dtype while generating; auto: bfloat16 on "
                         "GPUs and on CPUs with native bf16, else float32")
+    parser.add_argument("--kernels", choices=KERNELS, default="auto", help="the base model's CPU kernels while "
+                        "generating, as Engine.load takes them (auto: int8 for a GGUF base, the engine's default)")
 
 
 def _fit_args(parser: argparse.ArgumentParser) -> None:
@@ -68,14 +71,12 @@ def _fit_args(parser: argparse.ArgumentParser) -> None:
 
 def run_data(args: argparse.Namespace, out: Path) -> None:
     from .data import build_data
-    from .generation import generation_dtype, prepare_model
+    from .generation import load_generation_model
 
     if args.replies == "keep":  # no generation: the tokenizer is all it needs
         model, tokenizer = None, load_tokenizer(args.base)
     else:
-        dtype = generation_dtype(args.device) if args.gen_dtype == "auto" else args.gen_dtype
-        model, tokenizer = load_base(args.base, dtype=dtype, device=args.device)
-        prepare_model(model)  # the engine's CPU fast path: faster, and replies exactly the engine's own
+        model, tokenizer = load_generation_model(args.base, args.device, args.gen_dtype, args.kernels)
     start = time.time()
     build_data(model, tokenizer, out, args.source, args.limit, args.batch_size, args.max_new_tokens,
                args.max_prompt_tokens, args.shard_size, args.temperature, replies=args.replies, turns=args.turns)

@@ -1,14 +1,15 @@
 """Batched generation for self-distillation: dozens of replies decoded in one forward, each the base model's own.
 
 A head learns what the base model will say, so a regenerated reply must be exactly what the engine's plain
-greedy decoding gives for that prompt alone. On the CPU the packed linear layers (engine.packed) and the
-float64-summed attention (engine.attention) compute every row alike whatever else shares the forward, so a
-batch of rows of different lengths still gives each row its own tokens. What makes it fast:
+greedy decoding gives for that prompt alone, on the model the engine decodes (load_generation_model). On the CPU
+the grouped kernels of a GGUF base with the fixed-order attention, or the packed linear layers (engine.packed) with
+float64-summed attention, compute every row alike whatever else shares the forward, so a batch of rows of
+different lengths still gives each row its own tokens. What makes it fast:
 
-- attention summed in float64 like engine.attention's, in products shaped for one-token rows: float64 sums agree
-  to ~1e-16 in any order, so the rows round to the same bits;
+- float models: attention summed in float64 like engine.attention's, in products shaped for one-token rows: float64
+  sums agree to ~1e-16 in any order, so the rows round to the same bits;
 - one KV cache allocated up front, a slot per row, each row written at its own position (no concatenation per
-  step); kept in float64 on the CPU, so keys are widened once, when written;
+  step); for float64 attention kept in float64, so keys are widened once, when written;
 - a row leaves the batch as soon as its reply ends, and its slot takes the next prompt (continuous batching);
   prompts enter shortest first, so the rows of a step need keys of similar length, and are prefilled in groups
   of similar length, so little of a prefill is padding;
@@ -24,7 +25,10 @@ from torch import nn
 from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from ..engine import Engine
+from ..models import load_base
 from ..packed import bf16_native, pack_linears
+from ..quant import GROUPED, gguf_file, resolve_kernels
 from ..verify import Sampling
 
 FUSED_WIDE = "eagle_wide_fused"
@@ -35,6 +39,20 @@ def generation_dtype(device: str) -> str:
     """"auto" for generation: bfloat16 on GPUs and on CPUs that multiply it natively, float32 elsewhere (an AVX2
     CPU emulates bf16 and oneDNN cannot pack it, which makes it slower than float32)."""
     return "bfloat16" if torch.device(device).type == "cuda" or bf16_native() else "float32"
+
+
+def load_generation_model(base: str | None, device: str, gen_dtype: str = "auto", kernels: str = "auto"):
+    """(model, tokenizer) whose plain greedy decoding the replies are: the model the engine decodes. A GGUF base on
+    the CPU runs the engine's grouped kernels (Engine.load's kernels, "auto": int8), whose rows are batch-invariant
+    in transformers' forward too; other bases run packed in `gen_dtype` with float64-summed attention."""
+    chosen = resolve_kernels(kernels, device, gen_dtype, True, "none", gguf_file(base))
+    if chosen in GROUPED:
+        engine = Engine.load(base, head=None, device=device, kernels=chosen)
+        return engine.model, engine.tokenizer
+    model, tokenizer = load_base(base, dtype=generation_dtype(device) if gen_dtype == "auto" else gen_dtype,
+                                 device=device)
+    prepare_model(model)
+    return model, tokenizer
 
 
 def fused_wide_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
