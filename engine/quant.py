@@ -70,6 +70,14 @@ class Repacked:
     scales: torch.Tensor
     mins: torch.Tensor | None
 
+    def groups(self, kind: str, out_features: int) -> Groups:
+        """The Groups that `repack` laid out as these (its inverse)."""
+        tiles, count, chunks = self.codes.shape[:3]
+        codes = self.codes.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, count * chunks * 4)[:out_features]
+        by_row = [None if t is None else t.transpose(1, 2).reshape(tiles * TILE, count)[:out_features].contiguous()
+                  for t in (self.scales, self.mins)]
+        return Groups(kind, codes.contiguous(), *by_row)
+
 
 def repack(groups: Groups) -> Repacked:
     """`groups` in the int8 kernels' layout: the same bytes and scales, moved."""
@@ -131,6 +139,13 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float()
         # An empty stand-in: code that asks a layer for its weight's dtype or device keeps working.
         self.register_buffer("weight", torch.empty(0), persistent=False)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] the groups stand for (for code that needs the rows themselves, as a head's
+        training target does)."""
+        if self.int8:
+            return Repacked(self.codes, self.scales, self.mins).groups(self.kind, self.out_features).dequantize()
+        return Groups(self.kind, self.codes, self.scales, self.mins).dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.eagle_cpu

@@ -105,6 +105,15 @@ def int8_reference(x: torch.Tensor, groups, bias: torch.Tensor | None) -> torch.
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_layer_gives_back_the_weights_its_groups_hold(kind, int8):
+    """What a head's training target reads from a grouped LM head: the dequantized rows, also after int8 repacking
+    (37 rows: the last tile padded)."""
+    groups = quantize(torch.randn(37, 3 * GROUP), kind)
+    assert torch.equal(QuantLinear(groups, None, int8=int8).dequantized(), groups.dequantize())
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sizes", [(64, 40), (96, 64), (1536, 576), (32, 19)])
 def test_int8_layers_compute_llama_cpps_arithmetic_exactly(kind, sizes):
     """Bit for bit the reference above, on the VNNI and the AVX2 path alike (one output feature per lane, the

@@ -12,6 +12,7 @@ from engine import Engine
 from engine.models import load_base
 from engine.train.data import encode_prompt, first_prompt, read_conversations, stop_ids
 from engine.train import generation
+from engine.train.features import target_features
 from engine.train.generation import SlotCache, generate_replies, load_generation_model, prepare_model
 
 STOPS = [5, 6]  # frequent in these random models' output: replies end at many lengths
@@ -109,6 +110,19 @@ def test_the_engines_grouped_model_generates_its_own_plain_greedy_replies(kernel
     prompts = list(itertools.islice((p for p in firsts if len(p) <= 64), 6))
     replies = dict(generate_replies(model, prompts, stop_ids(tokenizer, model), 24, slots=4))
     assert [replies[i] for i in range(len(prompts))] == [plain_greedy(engine, p, 24) for p in prompts]
+
+
+def test_fit_takes_its_features_and_targets_from_the_model_the_engine_decodes():
+    """For the embedded GGUF, fit's base model is the engine's int8 model: its greedy tokens over a prompt and the
+    engine's own plain decoding of it are the same tokens, which are the targets verification accepts."""
+    engine = generation.load_grouped_engine(None, "cpu", "float32", "auto")
+    assert engine.kernels == "int8"
+    assert generation.load_grouped_engine(None, "cpu", "bfloat16", "auto") is None  # grouped kernels take float32
+    prompt = encode_prompt(engine.tokenizer, first_prompt(next(iter(read_conversations()))))
+    reply = plain_greedy(engine, prompt, 12)
+    ids = torch.tensor([prompt + reply])
+    _, _, top1 = target_features(engine.model, ids, torch.ones_like(ids, dtype=torch.bool), None)
+    assert top1[0, len(prompt) - 1 : -1].tolist() == reply
 
 
 def test_the_data_command_takes_the_engines_kernels_for_a_gguf_base_and_the_float_path_elsewhere():

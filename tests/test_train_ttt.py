@@ -9,7 +9,7 @@ from engine import Engine
 from engine.draft.checkpoint import new_head, place_head
 from engine.draft.drafter import Drafter
 from engine.train.features import CachedFeatures, LiveFeatures, cache_features
-from engine.train.fit import FitConfig, Trainer, ttt_masks, ttt_unroll
+from engine.train.fit import FitConfig, Trainer, eagle3_loss, target_rows, ttt_masks, ttt_unroll
 
 from conftest import BRANCHING, IdsOnlyTokenizer
 
@@ -89,6 +89,32 @@ def test_unroll_matches_the_drafters_chain_at_every_column():
             visible = torch.ones(1, level + 1, dtype=torch.bool)
             hidden = drafter.expand(hidden[None], ids[0, j + level + 2 : j + level + 3], level, visible)[0]
             assert torch.allclose(unrolled[level + 1][j], hidden, atol=1e-5), (j, level)
+
+
+def test_the_alignment_mask_drops_what_follows_a_guess_outside_the_targets_top_k():
+    """GRIFFIN's mask: step 1 learns only from slots whose step-0 guess was among the target's top-k; step 0 from all."""
+    model = rule_model()
+    torch.manual_seed(2)
+    head = new_head("eagle3", model.config, V - LOW)
+    head.set_vocab(torch.arange(LOW, V))
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    head = place_head(head, model)
+    records = rule_records(3, length=20)
+    batch = LiveFeatures(model, records, "eagle3").batch([0, 1, 2])
+    rows, k = target_rows(head, model), 8
+    loss = {align: eagle3_loss(head, batch, rows, 2, 0.8, align)[0] for align in (0, k, V - LOW)}
+    first_step = eagle3_loss(head, batch, rows, 1, 0.8, k)[0]
+    assert torch.equal(loss[V - LOW], loss[0])  # every guess is within the whole draft vocabulary's top-k
+    with torch.no_grad():
+        outs = [head.logits(out).float() for out in ttt_unroll(head, batch["features"], batch["input_ids"], 2)]
+        target = (batch["last"] @ rows.T).float()
+        aligned = (target[:, 1:-1].topk(k, -1).indices == outs[0][:, :-2].argmax(-1, keepdim=True)).any(-1)
+        # slot j at step 1 predicts token j+3; its step-0 guess (token j+2) is judged where that was a reply token
+        counted = batch["reply"][:, 3:] & (aligned[:, :-1] | ~batch["reply"][:, 2:-1])
+        slot_loss = -(target[:, 2:-1].softmax(-1) * outs[1][:, :-3].log_softmax(-1)).sum(-1)
+    assert 0 < counted.sum() < batch["reply"][:, 3:].sum()  # some slots masked, some not
+    assert torch.allclose(loss[k], first_step + 0.8 * slot_loss[counted].mean(), rtol=1e-5)
 
 
 def make_trainer(model, records, out, config, cached_in=None):

@@ -21,6 +21,9 @@ def _base_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", default=None, help="base model: .gguf, folder or hub id (default: embedded SmolLM2)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--kernels", choices=KERNELS, default="auto", help="the base model's CPU kernels, as "
+                        "Engine.load takes them (auto: int8 for a GGUF base, the engine's default): replies, "
+                        "features and targets come from the model the engine decodes; float: transformers' layers")
 
 
 def _data_args(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +42,6 @@ def _data_args(parser: argparse.ArgumentParser) -> None:
                         help="regenerate replies with the base model (self-distillation) or keep the source's")
     parser.add_argument("--gen-dtype", default="auto", help="base model dtype while generating; auto: bfloat16 on "
                         "GPUs and on CPUs with native bf16, else float32")
-    parser.add_argument("--kernels", choices=KERNELS, default="auto", help="the base model's CPU kernels while "
-                        "generating, as Engine.load takes them (auto: int8 for a GGUF base, the engine's default)")
 
 
 def _fit_args(parser: argparse.ArgumentParser) -> None:
@@ -59,13 +60,16 @@ def _fit_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feature-noise", type=float, default=d.feature_noise, help="EAGLE-1 input noise")
     parser.add_argument("--train-lm-head", action="store_true", help="EAGLE-3: train the draft LM head too "
                         "(default: keep it at the base model's rows)")
+    parser.add_argument("--align-topk", type=int, default=d.align_topk, help="EAGLE-3: leave a slot out of later "
+                        "TTT steps' loss once its guess misses the target's top-k (GRIFFIN's mask; 0 = off)")
     parser.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint period in steps")
     parser.add_argument("--eval-every", type=int, default=d.eval_every, help="validation period in steps")
     parser.add_argument("--val-every", type=int, default=20, help="hold out every n-th record of the first data folder")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
     parser.add_argument("--time-limit", type=float, default=None, help="stop after this many minutes (resumable)")
     parser.add_argument("--live-features", action="store_true", help="compute features on the fly (no disk cache)")
-    parser.add_argument("--feature-dtype", default="float32", help="base model dtype for features")
+    parser.add_argument("--feature-dtype", default="float32", help="base model dtype for features where "
+                        "the kernels are float (the grouped kernels take float32)")
     parser.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -105,13 +109,15 @@ def run_import(args: argparse.Namespace) -> None:
 
 
 def run_fit(args: argparse.Namespace, data: list[str]) -> dict:
+    from .generation import load_grouped_engine
     from .pipeline import fit_head, print_summary
 
     config = FitConfig(ttt_steps=args.ttt_steps, lr=args.lr, warmup=args.warmup, epochs=args.epochs,
                        batch_tokens=args.batch_tokens, clip=args.clip, feature_noise=args.feature_noise,
-                       train_lm_head=args.train_lm_head,
+                       train_lm_head=args.train_lm_head, align_topk=args.align_topk,
                        save_every=args.save_every, eval_every=args.eval_every, seed=args.seed)
-    model, _ = load_base(args.base, dtype=args.feature_dtype, device=args.device)
+    engine = load_grouped_engine(args.base, args.device, args.feature_dtype, args.kernels)
+    model = engine.model if engine else load_base(args.base, dtype=args.feature_dtype, device=args.device)[0]
     work = Path(args.work or Path("runs") / Path(args.out).name)
     summary = fit_head(model, data, args.out, work, args.kind, args.draft_vocab_size, config,
                        cache=not args.live_features, val_every=args.val_every, max_steps=args.max_steps,

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ..draft.checkpoint import save_head
 from ..draft.head import DraftHead
+from ..quant import QuantLinear
 
 
 @dataclass
@@ -37,6 +38,7 @@ class FitConfig:
     clip: float = 0.5  # gradient-norm clipping
     feature_noise: float = 0.0  # EAGLE-1 only: uniform noise amplitude added to input features
     train_lm_head: bool = False  # EAGLE-3: keep the LM head at the base model's rows (cheaper, learns faster)
+    align_topk: int = 0  # EAGLE-3: a slot leaves later steps' loss once its greedy guess misses the target's top-k
     save_every: int = 200
     eval_every: int = 200
     seed: int = 0
@@ -100,11 +102,15 @@ def ttt_unroll(head: DraftHead, features: torch.Tensor, ids: torch.Tensor, steps
         hidden = out
 
 
-def eagle3_loss(head: DraftHead, batch: dict, target_head: torch.Tensor, steps: int, decay: float):
+def eagle3_loss(head: DraftHead, batch: dict, target_head: torch.Tensor, steps: int, decay: float,
+                align_topk: int = 0):
     """TTT loss and, per step, (correct greedy guesses, counted slots, chain-prefix correct).
 
     target_head: the base LM-head rows of the draft vocabulary [V_d, H] (target distribution = softmax(last @ it.T)).
     The LM head and softmaxes run only on the slots that count (reply tokens): they are most of a step's work.
+    align_topk > 0 masks misaligned slots as GRIFFIN does: once a slot's greedy guess at some step is not among the
+    target's top-k tokens (of the draft vocabulary), verification would have cut its chain there, so what the
+    later steps predict from it is left out of their loss.
     """
     reply, top1 = batch["reply"], batch.get("top1")  # top1 is optional: training steps skip its full-vocab matmul
     device = head.fc.weight.device
@@ -112,14 +118,19 @@ def eagle3_loss(head: DraftHead, batch: dict, target_head: torch.Tensor, steps: 
     in_vocab = head.t2d[top1.to(device)] if head.has_vocab_map and top1 is not None else torch.ones_like(reply)
     total = torch.zeros((), device=device)
     stats, prefix = [], None
+    aligned = torch.ones_like(reply, device=device)
     for s, out in enumerate(ttt_unroll(head, batch["features"], batch["input_ids"], steps)):
         # slot j at step s predicts token j+s+2 from the target's distribution at position j+s+1
         counted = _shift(reply, s + 2, False).to(device)
-        learn = _shift(in_vocab, s + 1, False).to(device)[counted]  # among the counted slots
+        learn = (_shift(in_vocab, s + 1, False).to(device) & aligned)[counted]  # among the counted slots
         logits = head.logits(out[counted]).float()
-        target = F.softmax(_shift(target_logits, s + 1)[counted].float(), -1)
-        per_slot = -(target * F.log_softmax(logits, -1)).sum(-1)
+        step_logits = _shift(target_logits, s + 1)[counted].float()
+        per_slot = -(F.softmax(step_logits, -1) * F.log_softmax(logits, -1)).sum(-1)
         total = total + decay**s * per_slot[learn].sum() / learn.sum().clamp(min=1)
+        if align_topk:
+            with torch.no_grad():
+                guessed = (step_logits.topk(align_topk, -1).indices == logits.argmax(-1, keepdim=True)).any(-1)
+                aligned[counted] &= guessed
         if top1 is not None:
             with torch.no_grad():
                 correct = torch.zeros_like(counted)
@@ -156,7 +167,8 @@ def target_rows(head: DraftHead, base_model) -> torch.Tensor | None:
     """The base LM-head rows of the draft vocabulary [V_d, H], for the EAGLE-3 target distribution; None for EAGLE-1."""
     if head.kind != "eagle3":
         return None
-    weight = base_model.get_output_embeddings().weight.detach().float()
+    layer = base_model.get_output_embeddings()
+    weight = layer.dequantized() if isinstance(layer, QuantLinear) else layer.weight.detach().float()
     return (weight[head.t2d] if head.has_vocab_map else weight).clone()
 
 
@@ -200,7 +212,9 @@ class Objective(torch.nn.Module):
 
     def forward(self, batch: dict, step: int):
         if self.head.kind == "eagle3":
-            return eagle3_loss(self.head, batch, self.target_head, self.config.ttt_steps, self.config.step_decay)
+            # validation keeps every slot, so its loss compares across align_topk settings
+            align = self.config.align_topk if self.training else 0
+            return eagle3_loss(self.head, batch, self.target_head, self.config.ttt_steps, self.config.step_decay, align)
         generator = torch.Generator().manual_seed(self.config.seed * 7919 + step)
         return eagle1_loss(self.head, batch, self.config.feature_noise, generator)
 

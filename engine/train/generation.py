@@ -41,13 +41,20 @@ def generation_dtype(device: str) -> str:
     return "bfloat16" if torch.device(device).type == "cuda" or bf16_native() else "float32"
 
 
+def load_grouped_engine(base: str | None, device: str, dtype: str, kernels: str) -> Engine | None:
+    """The engine (no head) where its model is a GGUF base on the grouped kernels (Engine.load's kernels, "auto":
+    int8 on the CPU), whose rows are batch-invariant in transformers' forward too; None where the kernels resolve
+    to float layers."""
+    if resolve_kernels(kernels, device, dtype, True, "none", gguf_file(base)) not in GROUPED:
+        return None
+    return Engine.load(base, head=None, device=device, kernels=kernels)
+
+
 def load_generation_model(base: str | None, device: str, gen_dtype: str = "auto", kernels: str = "auto"):
-    """(model, tokenizer) whose plain greedy decoding the replies are: the model the engine decodes. A GGUF base on
-    the CPU runs the engine's grouped kernels (Engine.load's kernels, "auto": int8), whose rows are batch-invariant
-    in transformers' forward too; other bases run packed in `gen_dtype` with float64-summed attention."""
-    chosen = resolve_kernels(kernels, device, gen_dtype, True, "none", gguf_file(base))
-    if chosen in GROUPED:
-        engine = Engine.load(base, head=None, device=device, kernels=chosen)
+    """(model, tokenizer) whose plain greedy decoding the replies are: the model the engine decodes
+    (load_grouped_engine), else the base packed in `gen_dtype` with float64-summed attention."""
+    engine = load_grouped_engine(base, device, gen_dtype, kernels)
+    if engine is not None:
         return engine.model, engine.tokenizer
     model, tokenizer = load_base(base, dtype=generation_dtype(device) if gen_dtype == "auto" else gen_dtype,
                                  device=device)
