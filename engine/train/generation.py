@@ -45,9 +45,8 @@ def load_grouped_engine(base: str | None, device: str, dtype: str, kernels: str)
     """The engine (no head) where its model is a GGUF base on the grouped kernels (Engine.load's kernels, "auto":
     int8 on the CPU), whose rows are batch-invariant in transformers' forward too; None where the kernels resolve
     to float layers."""
-    if resolve_kernels(kernels, device, dtype, True, "none", gguf_file(base)) not in GROUPED:
-        return None
-    return Engine.load(base, head=None, device=device, kernels=kernels)
+    chosen = resolve_kernels(kernels, device, dtype, True, "none", gguf_file(base))
+    return Engine.load(base, head=None, device=device, kernels=chosen) if chosen in GROUPED else None
 
 
 def load_generation_model(base: str | None, device: str, gen_dtype: str = "auto", kernels: str = "auto"):
