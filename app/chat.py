@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from typing import Any, Callable, Iterator, TypeVar
 
-from engine import ContextTooLong, DecodeParams, Engine, Step
+from engine import ContextTooLong, DecodeParams, Engine, Step, oldest_turns_dropped
 
 from .meter import TurnMeter, turn_log_line
 from .render import Answer, TokenText
@@ -116,20 +116,14 @@ class ChatService:
         message alone does not fit.
         """
         room = min(max_new_tokens, self.engine.max_context // 4)
-        system = 1 if messages and messages[0]["role"] == "system" else 0
-        dropped = 0
-        while True:
-            kept = messages[:system] + messages[system + dropped :]
+        for kept, dropped in oldest_turns_dropped(messages):
             ids = self.engine.encode_chat(kept)
             if len(ids) + room <= self.engine.max_context:
                 return ids, dropped
-            if len(kept) <= system + 1:
-                raise ContextTooLong(
-                    f"your message is {len(ids)} tokens long; this model reads at most {self.engine.max_context} "
-                    f"tokens and needs room for its answer, so keep a message under "
-                    f"{self.engine.max_context - room} tokens"
-                )
-            dropped += 2  # one user message and the answer to it
+        raise ContextTooLong(
+            f"your message is {len(ids)} tokens long; this model reads at most {self.engine.max_context} "
+            f"tokens and needs room for its answer, so keep a message under {self.engine.max_context - room} tokens"
+        )
 
     def stream(self, prompt_ids: list[int], params: DecodeParams, every_s: float = 0.0) -> Iterator[tuple[Answer, TurnMeter]]:
         """Answer a prompt, yielding the first round, the last, and between them the latest state at most every

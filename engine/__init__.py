@@ -6,11 +6,11 @@
         print(engine.tokenizer.decode(step.tokens), end="", flush=True)
 """
 from .draft.checkpoint import CheckpointError
-from .engine import Engine, freeze_heap
+from .engine import Engine, freeze_heap, oldest_turns_dropped
 from .generate import ContextTooLong, Step
 from .params import METHODS, DecodeParams
 from .tree import DynamicTree, StaticTree
 from .verify import Sampling
 
 __all__ = ["Engine", "Step", "DecodeParams", "Sampling", "DynamicTree", "StaticTree", "CheckpointError",
-           "ContextTooLong", "METHODS", "freeze_heap"]
+           "ContextTooLong", "METHODS", "freeze_heap", "oldest_turns_dropped"]

@@ -191,6 +191,15 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def oldest_turns_dropped(messages: list[dict]) -> Iterator[tuple[list[dict], int]]:
+    """The conversation, then without its oldest exchange (a user message and the answer to it), and so on down to
+    the last user message: (messages kept, how many were dropped). A leading system message is always kept; this is
+    how a chat too long for the context gets in (the app's turns, training prompts from later turns)."""
+    system = 1 if messages and messages[0]["role"] == "system" else 0
+    for dropped in range(0, max(1, len(messages) - system), 2):
+        yield messages[:system] + messages[system + dropped:], dropped
+
+
 def _kernels_of(model: PreTrainedModel) -> str:
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     return "float" if not layers else "int8" if layers[0].int8 else "q4"

@@ -13,7 +13,8 @@ from engine.models import load_base
 from engine.train.data import encode_prompt, first_prompt, read_conversations, stop_ids
 from engine.train import generation
 from engine.train.features import target_features
-from engine.train.generation import SlotCache, generate_replies, load_generation_model, prepare_model
+from engine.train.generation import (BatchGenerator, SlotCache, additive_mask, generate_replies, grouped_attention,
+                                     load_generation_model, prepare_model)
 
 STOPS = [5, 6]  # frequent in these random models' output: replies end at many lengths
 
@@ -42,13 +43,52 @@ def test_every_row_of_a_batch_equals_plain_greedy_decoding(shape, dtype):
     assert [replies[i] for i in range(len(prompts))] == expected
 
 
-def test_prompts_prefilled_in_groups_within_the_token_budget_reply_alike(monkeypatch):
+def test_prompts_prefilled_in_groups_within_the_token_budget_reply_alike():
     model = tiny_base("qwen3-h64-l9")
     prepare_model(model)
     prompts = random_prompts(13, 40, seed=3)
     together = dict(generate_replies(model, prompts, STOPS, 12, slots=13))
-    monkeypatch.setattr(generation, "PREFILL_TOKENS", 45)  # groups of one to a few prompts
-    assert dict(generate_replies(model, prompts, STOPS, 12, slots=13)) == together
+    grouped = BatchGenerator(model, prompts, STOPS, 12, slots=13, prefill_tokens=45)  # one to a few prompts each
+    assert dict(grouped) == together
+
+
+def test_slots_that_wait_for_one_another_before_a_prefill_reply_alike():
+    model = tiny_base("llama-h64-l8-gqa")
+    prepare_model(model)
+    prompts = random_prompts(17, 30, seed=4)
+    alone = dict(generate_replies(model, prompts, STOPS, 16, slots=5))
+    waiting = BatchGenerator(model, prompts, STOPS, 16, slots=5, refill=3)
+    live = []  # rows decoded while prompts were still waiting
+    step = waiting.decode_step
+    waiting.decode_step = lambda: (waiting.queue and live.append(int((waiting.owner >= 0).sum()))) or step()
+    assert dict(waiting) == alone
+    assert {3, 4} & set(live) and min(live) >= 3  # one or two free slots waited for a third, never more
+
+
+def test_grouped_attention_equals_sdpa_with_keys_repeated_per_query_head():
+    model = tiny_base("llama-h64-l8-gqa")
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    assert heads > kv_heads
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, heads, 5, 16, generator=generator)
+    key, value = (torch.randn(3, kv_heads, 9, 16, generator=generator) for _ in range(2))
+    visible = torch.rand(3, 5, 9, generator=generator) < 0.7
+    visible[..., 0] = True
+    mask = additive_mask(visible, torch.float32, torch.device("cpu"))
+    out, _ = grouped_attention(None, query, key, value, mask, scaling=0.25)
+    repeat = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_with_grouped_attention_replies_as_it_does_with_sdpa():
+    model = tiny_base("llama-h64-l8-gqa")
+    prompts = random_prompts(9, 30, seed=5)
+    with_sdpa = dict(generate_replies(model, prompts, STOPS, 12, slots=4))
+    model.set_attn_implementation(generation.GROUPED_ATTENTION)
+    assert dict(generate_replies(model, prompts, STOPS, 12, slots=4)) == with_sdpa
 
 
 def test_replies_come_as_rows_end_and_each_ends_at_its_first_stop():

@@ -126,6 +126,22 @@ def test_all_turns_adds_later_user_turns_after_the_first_ones(tokenizer):
         select_prompts(conversations, tokenizer, None, 512, turns="later")
 
 
+def test_a_later_turn_too_long_leaves_out_its_oldest_exchanges_and_an_over_long_message_is_skipped(tokenizer):
+    def turn(role, text):
+        return {"role": role, "content": text}
+
+    essay = "word " * 300
+    system = turn("system", "Be brief.")
+    chat = [system, turn("user", essay), turn("assistant", essay), turn("user", "Short one?"),
+            turn("assistant", "Yes."), turn("user", "And now?")]
+    limit = len(encode_prompt(tokenizer, [system] + chat[3:])) + 5  # the last two exchanges fit, the first does not
+    chosen = {c[0]: c for c in select_prompts([Conversation("a", chat)], tokenizer, None, limit, turns="all")}
+    assert sorted(chosen) == ["a:3", "a:5"]  # the first turn alone (300 words) is over the limit
+    _, messages, ids, _ = chosen["a:5"]
+    assert messages == [system] + chat[3:] and ids == encode_prompt(tokenizer, messages) and len(ids) <= limit
+    assert chosen["a:3"][1] == [system, chat[3]]
+
+
 @pytest.mark.parametrize("content, line", [
     ('{"conversations": [{"from": "human", "value": "hi"}]}\n\n{"conversations": [\n', 3),
     ('{"conversations": [{"from": "human", "value": "hi"}]}\n{"conversations": [{"from": "alien", "value": "x"}]}\n', 2),

@@ -33,7 +33,8 @@ def _data_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="conversations generated together (the batch's "
                         "KV cache holds this many rows of the longest prompt + max-new-tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="cap on each reply")
-    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
+    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (a later turn "
+                        "first leaves out its conversation's oldest exchanges, as the chat app does)")
     parser.add_argument("--shard-size", type=int, default=128, help="conversations per shard (the resume unit)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy replies")
     parser.add_argument("--turns", choices=TURNS, default="first", help="first: each conversation's first user turn; "

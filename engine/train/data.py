@@ -21,6 +21,7 @@ from typing import Iterable, Iterator
 
 from tqdm.auto import tqdm
 
+from ..engine import oldest_turns_dropped
 from .generation import generate_replies
 from .store import load_records
 
@@ -178,23 +179,33 @@ def select_prompts(conversations, tokenizer, limit: int | None, max_prompt_token
     conversations = list(conversations)
     random.Random(seed).shuffle(conversations)
     seen, chosen = set(), []
-    for conversation, ident, messages in candidate_prompts(conversations, turns):
-        if not mostly_latin(messages[-1]["content"]):
+    for conversation, ident, whole in candidate_prompts(conversations, turns):
+        if not mostly_latin(whole[-1]["content"]):
             continue
-        if sum(len(m["content"]) for m in messages) > 8 * max_prompt_tokens:  # surely too long: skip tokenizing
+        reply = first_reply(conversation, whole)
+        if need_reply and reply is None:
             continue
-        key = prompt_key(messages)
-        reply = first_reply(conversation, messages)
-        if key in seen or (need_reply and reply is None):
+        fitted = fit_prompt(tokenizer, whole, max_prompt_tokens)
+        if fitted is None or (key := prompt_key(fitted[0])) in seen:
             continue
-        ids = encode_prompt(tokenizer, messages)
-        if len(ids) > max_prompt_tokens:
-            continue
+        messages, ids = fitted
         seen.add(key)
         chosen.append((ident, messages, ids, reply))
         if limit is not None and len(chosen) >= limit:
             break
     return chosen
+
+
+def fit_prompt(tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[dict], list[int]] | None:
+    """(messages, prompt ids) within max_tokens: a later turn leaves out its conversation's oldest exchanges, as the
+    chat app does; None when the last user message alone is too long."""
+    for kept, _ in oldest_turns_dropped(messages):
+        if sum(len(m["content"]) for m in kept) > 8 * max_tokens:  # surely too long: skip tokenizing
+            continue
+        ids = encode_prompt(tokenizer, kept)
+        if len(ids) <= max_tokens:
+            return kept, ids
+    return None
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:

@@ -156,7 +156,7 @@ class LiveFeatures:
     def batch(self, indices: list[int], with_top1: bool = True) -> dict[str, torch.Tensor]:
         batch = pad_batch([self.records[i] for i in indices])
         features, last, top1 = target_features(self.model, batch["input_ids"], batch["valid"], self.layers, with_top1)
-        batch.update(last=last.cpu(), features=(last if features is None else features).cpu())
+        batch.update(last=last, features=last if features is None else features)  # stay where the losses run
         if top1 is not None:
-            batch["top1"] = top1.cpu()
+            batch["top1"] = top1
         return batch

@@ -326,10 +326,12 @@ class Trainer:
         stop = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
         bar = tqdm(total=stop, initial=self.step, desc=f"fit {self.unwrapped.kind}", unit="step",
                    disable=not self.accelerator.is_main_process)
-        running = None
+        running, timed = None, None
         while self.step < stop:
-            if time_limit_s is not None and self.step - start_step == min(10, self.config.warmup):
-                stop = self._fit_schedule_to_time(start_step, started, time_limit_s, stop)
+            if self.step - start_step == 1:
+                timed = time.time()  # the rate leaves out the first step, which pays for start-up (a GPU's most)
+            if time_limit_s is not None and self.step - start_step == 1 + min(10, self.config.warmup):
+                stop = self._fit_schedule_to_time(timed, started, time_limit_s, stop, self.step - start_step - 1)
                 bar.total = stop
             loss = self.train_step()
             running = loss if running is None else 0.95 * running + 0.05 * loss
@@ -349,9 +351,9 @@ class Trainer:
                 "steps_this_run": self.step - start_step, "seconds": time.time() - started,
                 "train_loss": running, "validation": final, "config": asdict(self.config)}
 
-    def _fit_schedule_to_time(self, start_step: int, started: float, time_limit_s: float, stop: int) -> int:
-        """Shorten the cosine schedule to the steps the time budget allows, measured over the first steps."""
-        rate = (self.step - start_step) / max(1e-9, time.time() - started)
+    def _fit_schedule_to_time(self, timed: float, started: float, time_limit_s: float, stop: int, steps: int) -> int:
+        """Shorten the cosine schedule to the steps the time budget allows, at the rate of the `steps` since `timed`."""
+        rate = steps / max(1e-9, time.time() - timed)
         affordable = self.step + int(rate * (time_limit_s - (time.time() - started)))
         if affordable < stop:
             self.total_steps = stop = max(self.step + 1, affordable)

@@ -32,6 +32,7 @@ from ..quant import GROUPED, gguf_file, resolve_kernels
 from ..verify import Sampling
 
 FUSED_WIDE = "eagle_wide_fused"
+GROUPED_ATTENTION = "eagle_grouped"
 PREFILL_TOKENS = 2048  # padded prompt tokens per prefill forward: few pad tokens, activations of a few MB a layer
 
 
@@ -61,26 +62,43 @@ def load_generation_model(base: str | None, device: str, gen_dtype: str = "auto"
     return model, tokenizer
 
 
+def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+                       scaling: float | None, sums: torch.dtype) -> torch.Tensor:
+    """Attention with each key/value head's query heads taken together, so keys are never repeated per query head:
+    query [B, H, T, D], key/value [B, Hkv, L, D], an additive mask [B, 1, T, L]; sums in `sums`; returns
+    [B, T, H, D] in the query's dtype. Keys times queries (L x D by D x G*T) suits float64 matrix kernels better
+    than queries times keys, whose rows are few."""
+    batch, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    grouped = query.to(sums).reshape(batch, kv_heads, groups * rows, dim)
+    scores = (key.to(sums) @ grouped.transpose(-1, -2)).transpose(-1, -2)
+    scale = dim**-0.5 if scaling is None else scaling
+    scores = scores.view(batch, kv_heads, groups, rows, length) * scale + attention_mask.to(sums)[:, :, None]
+    probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, groups * rows, length)
+    out = (probs @ value.to(sums)).view(batch, heads, rows, dim)
+    return out.to(query.dtype).transpose(1, 2).contiguous()
+
+
 def fused_wide_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor, scaling: float | None = None, dropout: float = 0.0,
                          **kwargs) -> tuple[torch.Tensor, None]:
-    """engine.attention.wide_attention's float64 sums, shaped for a batch of one-token rows: query [B, H, T, D],
-    key/value [B, Hkv, L, D], an additive mask [B, 1, T, L]; returns [B, T, H, D] in the query's dtype. Keys times
-    queries (L x D by D x G*T) suits float64 matrix kernels better than queries times keys, whose rows are few."""
-    batch, heads, rows, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    groups, wide = heads // kv_heads, torch.float64
-    grouped = query.to(wide).reshape(batch, kv_heads, groups * rows, dim)
-    scores = (key.to(wide) @ grouped.transpose(-1, -2)).transpose(-1, -2)
-    scale = dim**-0.5 if scaling is None else scaling
-    scores = scores.view(batch, kv_heads, groups, rows, length) * scale + attention_mask.to(wide)[:, :, None]
-    probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, groups * rows, length)
-    out = (probs @ value.to(wide)).view(batch, heads, rows, dim)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    """engine.attention.wide_attention's float64 sums, shaped for a batch of one-token rows."""
+    return _grouped_attention(query, key, value, attention_mask, scaling, torch.float64), None
+
+
+def grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """The same in the query's dtype, for a GPU: SDPA given a mask repeats every key and value for each query head
+    (threefold for SmolLM2), which in a batch of thousands of rows costs more than the attention itself."""
+    return _grouped_attention(query, key, value, attention_mask, scaling, query.dtype), None
 
 
 AttentionInterface.register(FUSED_WIDE, fused_wide_attention)
 AttentionMaskInterface.register(FUSED_WIDE, eager_mask)
+AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
+AttentionMaskInterface.register(GROUPED_ATTENTION, eager_mask)
 
 
 def prepare_model(model: PreTrainedModel) -> None:
@@ -131,9 +149,14 @@ class BatchGenerator:
     """Replies to many prompts, `slots` at a time; see the module docstring for why it is shaped so."""
 
     def __init__(self, model: PreTrainedModel, prompts: list[list[int]], stops: list[int], max_new_tokens: int,
-                 slots: int = 64, temperature: float = 0.0, seed: int = 0):
+                 slots: int = 64, temperature: float = 0.0, seed: int = 0, prefill_tokens: int = PREFILL_TOKENS,
+                 refill: int = 1):
+        """`refill`: free slots that wait for one another before a prefill fills them. 1 suits a CPU, where a
+        forward costs what its tokens cost; on a GPU a forward of a few rows costs about what one of all rows does, so
+        prefilling each freed slot alone would take as long as decoding every row."""
         check_prompts(model, prompts, max_new_tokens, slots)
         self.model, self.prompts, self.max_new_tokens = model, prompts, max_new_tokens
+        self.prefill_tokens, self.refill = prefill_tokens, max(1, refill)
         self.body, self.lm_head = model.get_decoder(), model.get_output_embeddings()
         self.sampling = Sampling(temperature)
         self.generator = torch.Generator().manual_seed(seed)
@@ -150,7 +173,7 @@ class BatchGenerator:
         """(prompt index, reply) as each reply ends: after its first stop token (kept) or max_new_tokens."""
         while True:
             free = (self.owner < 0).nonzero().flatten()
-            if self.queue and len(free):
+            if self.queue and len(free) >= min(self.refill, len(self.queue), len(self.owner)):
                 self.prefill(free[: self.admissible(len(free))])
             elif len(free) == len(self.owner):
                 return
@@ -159,10 +182,10 @@ class BatchGenerator:
             yield from self.harvest()
 
     def admissible(self, free: int) -> int:
-        """How many of the next prompts one prefill takes: up to `free`, within PREFILL_TOKENS once padded to the
+        """How many of the next prompts one prefill takes: up to `free`, within prefill_tokens once padded to the
         longest (the queue is sorted, so that is the last; one prompt always goes)."""
         count, most = 1, min(free, len(self.queue))
-        while count < most and (count + 1) * len(self.prompts[self.queue[count]]) <= PREFILL_TOKENS:
+        while count < most and (count + 1) * len(self.prompts[self.queue[count]]) <= self.prefill_tokens:
             count += 1
         return count
 
