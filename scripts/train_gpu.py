@@ -77,7 +77,8 @@ class Budget:
     val_every: int = 40  # every n-th committed record is held out: the 50 that session 18's CPU fits were scored on
 
 
-SMOKE = Budget(minutes=1.0, data_share=0.6, max_new_tokens=12, slots=6, chunk=8, prefill_tokens=512,
+SMOKE_PROMPTS = 12
+SMOKE = Budget(minutes=0.75, data_share=0.7, max_new_tokens=12, slots=6, chunk=8, prefill_tokens=512,
                draft_vocab_size=2048, ttt_steps=2, batch_tokens=768, epochs=1.0, warmup=2, closing_s=15.0,
                val_every=400)
 
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"head in {args.out}" + (f", {report['replies']} records in {args.data}" if args.data else ""))
     else:
         packed, returned = args.out / "pack", args.out / "returned"
-        pack(packed, base, 24, 256, 24, wheels=False)
+        pack(packed, base, SMOKE_PROMPTS, 256, 24, wheels=False)
         run([packed], returned, SMOKE, "cpu", args.out / "work")
         unpack(returned, args.out / "head", args.out / "data.npz")
         print(f"smoke run done: head in {args.out / 'head'}, data in {args.out / 'data.npz'}")

@@ -84,7 +84,7 @@ def test_the_smoke_run_regenerates_greedy_replies_and_brings_back_a_head_that_lo
 
     prompts = {r["id"]: r for r in load_records(packed / train_gpu.PROMPTS)}
     committed = {r["id"] for r in load_records(train_gpu.COMMITTED)}
-    assert len(prompts) == 24 and not committed & set(prompts)
+    assert len(prompts) == train_gpu.SMOKE_PROMPTS and not committed & set(prompts)
     records = load_records(tmp_path / "data.npz")
     assert records and {r["id"] for r in records} <= set(prompts)
     model = load_model(str(embedded_gguf_path()), dtype="float32")
