@@ -101,15 +101,20 @@ def split_file(path: Path, folder: Path, part_bytes: int, stem: str) -> list[str
     return names
 
 
+def find_part(name: str, folders: list[Path]) -> Path:
+    """The packed file `name` in the first folder that has it (the calls of a plan leave files in several)."""
+    found = next((f / name for f in folders if (f / name).is_file()), None)
+    if found is None:
+        raise FileNotFoundError(f"part {name} is in none of {', '.join(map(str, folders))}: was every "
+                                "call of the plan made while the machine stayed warm?")
+    return found
+
+
 def join_parts(names: list[str], folders: list[Path], target: Path) -> Path:
     """Concatenate the named parts, each taken from the first folder that has it."""
     with target.open("wb") as out:
         for name in names:
-            found = next((f / name for f in folders if (f / name).is_file()), None)
-            if found is None:
-                raise FileNotFoundError(f"part {name} is in none of {', '.join(map(str, folders))}: was every "
-                                        "call of the plan made while the machine stayed warm?")
-            out.write(found.read_bytes())
+            out.write(find_part(name, folders).read_bytes())
     return target
 
 
@@ -234,14 +239,14 @@ def run(parts: list[Path], out: Path, budget: Budget, device: str, work: Path) -
     """On the GPU: the base from its parts, replies until the data deadline, the fit until the end, pieces out."""
     started = time.time()
     end = started + budget.minutes * 60
-    manifest = json.loads(next(p / MANIFEST for p in parts if (p / MANIFEST).is_file()).read_text())
+    manifest = json.loads(find_part(MANIFEST, parts).read_text())
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     base = join_parts(manifest["base_parts"], parts, work / BASE_NAME)
     if base.stat().st_size != manifest["base_bytes"] or sha256(base) != manifest["base_sha256"]:
         raise ValueError(f"{base} joined from its parts is not the packed GGUF (size or SHA-256 differs): a part "
                          "is missing, stale or damaged; pack again and carry every part")
-    prompts = load_records(next(p / PROMPTS for p in parts if (p / PROMPTS).is_file()))
+    prompts = load_records(find_part(PROMPTS, parts))
     model = load_model(str(base), dtype="float32", device=device)
     model.set_attn_implementation(GROUPED_ATTENTION)
     print(f"base loaded in {time.time() - started:.0f}s; {len(prompts)} prompts", flush=True)
