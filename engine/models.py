@@ -8,11 +8,12 @@ import logging
 from pathlib import Path
 
 import torch
+from huggingface_hub import hf_hub_download
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase,
 )
-from transformers.utils.quantization_config import GgufConfig
-
+from . import gguf_cache
 from .packed import bf16_native
 from .placement import gpu_budgets, model_bytes, plan_device_map
 
@@ -74,8 +75,39 @@ def _source(base: str | None) -> tuple[str, dict]:
 
 
 def load_tokenizer(base: str | None = None) -> PreTrainedTokenizerBase:
-    name, kwargs = _source(base)
-    return AutoTokenizer.from_pretrained(name, **kwargs)
+    return _with_converted(_source(base), lambda name, kwargs: AutoTokenizer.from_pretrained(name, **kwargs))
+
+
+def _gguf_path(name: str, kwargs: dict) -> Path:
+    """The local file of a GGUF source: a hub one is fetched into (or found in) the hub cache first."""
+    if Path(name).is_dir():
+        return Path(name) / kwargs["gguf_file"]
+    return Path(hf_hub_download(name, kwargs["gguf_file"], revision=kwargs.get("revision")))
+
+
+def _with_converted(source: tuple[str, dict], load):
+    """load(name, kwargs) from a GGUF's converted folder (engine.gguf_cache) where one is kept, else from `source`.
+    A converted copy that fails to load is converted again once, so a damaged cache costs time, never the load."""
+    name, kwargs = source
+    if "gguf_file" not in kwargs:
+        return load(name, kwargs)
+    gguf = _gguf_path(name, kwargs)
+    for attempt in range(2):
+        folder = gguf_cache.converted(gguf)
+        if folder is None:
+            return load(str(gguf.parent), {"gguf_file": gguf.name, "local_files_only": True})
+        try:
+            loaded = load(str(folder), {"local_files_only": True})
+        except (OSError, ValueError, SafetensorError) as err:
+            if attempt:
+                raise
+            log.warning("%s", err)
+            gguf_cache.forget(folder)
+            continue
+        loaded.name_or_path = str(gguf)  # messages name the user's file, not the cache
+        if hasattr(loaded, "config"):
+            loaded.config.name_or_path = str(gguf)
+        return loaded
 
 
 def require(package: str, feature: str, install: str | None = None) -> None:
@@ -229,18 +261,18 @@ def load_model(
             f"--quantization {quantization} applies to Hugging Face checkpoints (a folder or hub id); a GGUF file "
             "is loaded as it is: use --quantization none"
         )
-    device_map = _device_map((name, kwargs), device, dtype, quantization, max_memory)
-    if "gguf_file" in kwargs:
-        # Dequantized to float weights (the engine packs them for oneDNN). Said up front, or transformers warns that
-        # its quantized GGUF kernels prefer float32 before it finds it has none here and dequantizes anyway.
-        loading = GgufConfig(gguf_file=kwargs["gguf_file"], dequantize=True)
-    else:
-        loading = quantize
-    if device_map is not None:
-        kwargs["device_map"] = device_map
-    model = _from_pretrained(
-        name, kwargs, dtype, quantization, attn_implementation=attn_implementation, quantization_config=loading
-    )
+
+    def load(name: str, kwargs: dict) -> PreTrainedModel:
+        device_map = _device_map((name, kwargs), device, dtype, quantization, max_memory)
+        if device_map is not None:
+            kwargs = {**kwargs, "device_map": device_map}
+        # a GGUF too large to keep converted is dequantized while loading
+        loading = gguf_cache.dequantizing(kwargs["gguf_file"]) if "gguf_file" in kwargs else quantize
+        return _from_pretrained(
+            name, kwargs, dtype, quantization, attn_implementation=attn_implementation, quantization_config=loading
+        )
+
+    model = _with_converted((name, kwargs), load)
     return model.eval().requires_grad_(False)
 
 

