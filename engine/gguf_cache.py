@@ -71,7 +71,9 @@ def _convert(gguf: Path, folder: Path) -> None:
         ).save_pretrained(staging)
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True).save_pretrained(staging)
         (staging / COMPLETE).write_text(json.dumps(_source_facts(gguf), sort_keys=True))
-        shutil.rmtree(folder, ignore_errors=True)  # an incomplete or damaged earlier copy
+        if _is_complete(folder, gguf):  # another process finished first (and may be loading from it)
+            return
+        shutil.rmtree(folder, ignore_errors=True)  # an incomplete earlier copy
         try:
             staging.rename(folder)
         except OSError:  # another process renamed its copy first: keep that one

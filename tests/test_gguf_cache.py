@@ -2,11 +2,14 @@
 tokenizer without parsing the GGUF, and a damaged, stale or unwritable cache costs time, never the load."""
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
+from conftest import tiny_base
 from engine import gguf_cache
 from engine.models import embedded_gguf_path, load_model, load_tokenizer
 
@@ -87,3 +90,31 @@ def test_a_changed_or_half_written_file_is_not_taken_for_its_old_copy(tmp_path, 
     first.mkdir(parents=True)
     (first / "model.safetensors").write_bytes(b"")
     assert not gguf_cache._is_complete(first, gguf)  # no source.json (written last): not used
+
+
+def test_two_processes_converting_at_once_both_get_one_whole_copy(tmp_path, monkeypatch):
+    """Two loads racing on a cold cache (the app and its API server, two test processes): each converts into its
+    own staging folder; whichever renames first wins, the other keeps that copy, and neither removes it."""
+    tokenizer = load_tokenizer(None)
+    monkeypatch.setenv("EAGLE_CHAT_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    both_loaded = threading.Barrier(2)
+
+    def load_tiny(*args, **kwargs):  # transformers' GGUF parsing stands aside: the race is what is tested
+        both_loaded.wait(timeout=60)
+        return tiny_base("llama-h48-l7-mqa")
+
+    monkeypatch.setattr(gguf_cache.AutoModelForCausalLM, "from_pretrained", load_tiny)
+    monkeypatch.setattr(gguf_cache.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    with ThreadPoolExecutor(2) as pool:
+        folders = list(pool.map(lambda _: gguf_cache.converted(gguf), range(2)))
+    assert folders[0] == folders[1] == gguf_cache.converted_folder(gguf)
+    assert gguf_cache._is_complete(folders[0], gguf) and (folders[0] / "model.safetensors").is_file()
+    assert [p.name for p in folders[0].parent.iterdir()] == [folders[0].name]  # no staging folder left
+
+    weights = folders[0] / "model.safetensors"
+    kept = weights.stat().st_ino
+    both_loaded = threading.Barrier(1)  # alone this time: nobody to wait for
+    gguf_cache._convert(gguf, folders[0])  # the one that finishes second: it must not replace what the other reads
+    assert weights.stat().st_ino == kept
