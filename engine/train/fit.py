@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -324,8 +325,9 @@ class Trainer:
         resumed = self.resume()
         start_step, started = self.step, time.time()
         stop = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
+        # a log file (a GPU run's, a CI job's) gets a line every 30 s rather than a redraw per step
         bar = tqdm(total=stop, initial=self.step, desc=f"fit {self.unwrapped.kind}", unit="step",
-                   disable=not self.accelerator.is_main_process)
+                   disable=not self.accelerator.is_main_process, mininterval=0.5 if sys.stderr.isatty() else 30)
         running, timed = None, None
         while self.step < stop:
             if self.step - start_step == 1:
@@ -335,8 +337,8 @@ class Trainer:
                 bar.total = stop
             loss = self.train_step()
             running = loss if running is None else 0.95 * running + 0.05 * loss
-            bar.update(1)
-            bar.set_postfix(loss=f"{running:.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
+            bar.set_postfix(loss=f"{running:.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}", refresh=False)
+            bar.update(1)  # redraws at most every mininterval
             if self.config.eval_every and self.step % self.config.eval_every == 0 and self.step < stop:
                 self._log_eval(bar)
             if self.config.save_every and self.step % self.config.save_every == 0:
