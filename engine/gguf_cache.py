@@ -4,8 +4,9 @@ transformers reads a GGUF through gguf-py, which parses every metadata field in 
 config, the tokenizer, the weights): for SmolLM2's 49k-token vocabulary that is most of the app's start-up and of
 every real-model test. The first load writes what it produced (the float32 weights exactly as dequantized, the
 config, the tokenizer) under the user's cache; later loads read safetensors. The folder is keyed by the file's
-path, size and modification time and by transformers' version (its dequantizing code), written under a temporary
-name and renamed, so two processes converting at once or a conversion cut short leave no half folder behind.
+SHA-256 (0.1 s for SmolLM2's; the same file copied elsewhere shares one copy) and transformers' version (its
+dequantizing code), written under a temporary name and renamed, so two processes converting at once or a
+conversion cut short leave no half folder behind. Copies unused for UNUSED_DAYS are removed at the next conversion.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -25,7 +27,8 @@ from transformers.utils.quantization_config import GgufConfig
 log = logging.getLogger(__name__)
 # A float32 copy is 4-8× the GGUF: worth it for the small models a CPU chat runs, not for a 70B file.
 MAX_CONVERTED_BYTES = 4 * 2**30
-COMPLETE = "source.json"  # written last: a folder without it is not used
+COMPLETE = "source.json"  # written last: a folder without it is not used; touched at each use
+UNUSED_DAYS = 30
 
 
 def cache_root() -> Path:
@@ -36,15 +39,20 @@ def cache_root() -> Path:
 
 
 def _source_facts(gguf: Path) -> dict:
-    stat = gguf.stat()
-    return {"gguf": str(gguf.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "transformers": transformers.__version__}
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return {"sha256": digest.hexdigest(), "bytes": gguf.stat().st_size, "transformers": transformers.__version__}
+
+
+def _folder(facts: dict) -> Path:
+    return cache_root() / "gguf" / f"{facts['sha256'][:24]}-transformers-{facts['transformers']}"
 
 
 def converted_folder(gguf: Path) -> Path:
     """Where the converted copy of `gguf` lives (whether or not it exists yet)."""
-    key = hashlib.sha256(json.dumps(_source_facts(gguf), sort_keys=True).encode()).hexdigest()[:20]
-    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    return _folder(_source_facts(gguf))
 
 
 def dequantizing(gguf_file: str) -> GgufConfig:
@@ -53,15 +61,26 @@ def dequantizing(gguf_file: str) -> GgufConfig:
     return GgufConfig(gguf_file=gguf_file, dequantize=True)
 
 
-def _is_complete(folder: Path, gguf: Path) -> bool:
+def _is_complete(folder: Path, facts: dict) -> bool:
     try:
-        return json.loads((folder / COMPLETE).read_text()) == _source_facts(gguf)
+        return json.loads((folder / COMPLETE).read_text()) == facts
     except (OSError, ValueError):
         return False
 
 
-def _convert(gguf: Path, folder: Path) -> None:
+def _remove_unused(root: Path) -> None:
+    """Copies whose last use is UNUSED_DAYS old: their GGUF was most likely deleted, moved or changed."""
+    cutoff = time.time() - UNUSED_DAYS * 86400
+    for marker in root.glob(f"*/{COMPLETE}"):
+        if marker.stat().st_mtime < cutoff:
+            log.info("removing %s, unused for %d days", marker.parent, UNUSED_DAYS)
+            shutil.rmtree(marker.parent, ignore_errors=True)
+
+
+def _convert(gguf: Path, facts: dict) -> None:
+    folder = _folder(facts)
     folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_unused(folder.parent)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:
         log.info("converting %s once into %s (later loads skip parsing the GGUF)", gguf, folder)
@@ -70,14 +89,14 @@ def _convert(gguf: Path, folder: Path) -> None:
             quantization_config=dequantizing(gguf.name),
         ).save_pretrained(staging)
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True).save_pretrained(staging)
-        (staging / COMPLETE).write_text(json.dumps(_source_facts(gguf), sort_keys=True))
-        if _is_complete(folder, gguf):  # another process finished first (and may be loading from it)
+        (staging / COMPLETE).write_text(json.dumps(facts, sort_keys=True))
+        if _is_complete(folder, facts):  # another process finished first (and may be loading from it)
             return
         shutil.rmtree(folder, ignore_errors=True)  # an incomplete earlier copy
         try:
             staging.rename(folder)
         except OSError:  # another process renamed its copy first: keep that one
-            if not _is_complete(folder, gguf):
+            if not _is_complete(folder, facts):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -86,17 +105,21 @@ def _convert(gguf: Path, folder: Path) -> None:
 def converted(gguf: Path) -> Path | None:
     """The converted folder of a local GGUF, converting it on first use; None where no copy is kept (a file too
     large to copy in float32, or a cache that cannot be written), and the caller loads the GGUF itself."""
-    folder = converted_folder(gguf)
-    if _is_complete(folder, gguf):
-        return folder
     if gguf.stat().st_size * 8 > MAX_CONVERTED_BYTES:  # at ≥ 4 bits a weight, float32 takes ≥ 8× the file
         return None
+    facts = _source_facts(gguf)
+    folder = _folder(facts)
+    if not _is_complete(folder, facts):
+        try:
+            _convert(gguf, facts)
+        except OSError as err:
+            log.warning("could not keep a converted copy of %s under %s (%s): parsing the GGUF on every load",
+                        gguf, cache_root(), err)
+            return None
     try:
-        _convert(gguf, folder)
-    except OSError as err:
-        log.warning("could not keep a converted copy of %s under %s (%s): parsing the GGUF on every load",
-                    gguf, cache_root(), err)
-        return None
+        (folder / COMPLETE).touch()  # its last use, for _remove_unused
+    except OSError:  # a cache shared read-only
+        pass
     return folder
 
 

@@ -1,8 +1,10 @@
 """The embedded GGUF is converted once into a Hugging Face folder: later loads give the very same weights and
 tokenizer without parsing the GGUF, and a damaged, stale or unwritable cache costs time, never the load."""
+import json
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -78,18 +80,30 @@ def test_a_damaged_copy_is_converted_again(cache, caplog):
     assert all(torch.equal(again[k], reference[k]) for k in reference)
 
 
-def test_a_changed_or_half_written_file_is_not_taken_for_its_old_copy(tmp_path, monkeypatch):
+def test_copies_are_keyed_by_content_and_unused_ones_are_removed(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE_CHAT_CACHE", str(tmp_path / "cache"))
-    gguf = tmp_path / "model.gguf"
+    gguf, elsewhere = tmp_path / "model.gguf", tmp_path / "other" / "copy.gguf"
     gguf.write_bytes(b"GGUF one")
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"GGUF one")
     first = gguf_cache.converted_folder(gguf)
-    assert first.parent == tmp_path / "cache" / "gguf"
-    stat = gguf.stat()
-    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    assert gguf_cache.converted_folder(gguf) != first  # modified in place: another key
+    assert first.parent == tmp_path / "cache" / "gguf" and gguf_cache.converted_folder(elsewhere) == first
+    gguf.write_bytes(b"GGUF two")
+    assert gguf_cache.converted_folder(gguf) != first  # changed in place: another copy
+    facts = gguf_cache._source_facts(elsewhere)
     first.mkdir(parents=True)
     (first / "model.safetensors").write_bytes(b"")
-    assert not gguf_cache._is_complete(first, gguf)  # no source.json (written last): not used
+    assert not gguf_cache._is_complete(first, facts)  # no source.json (written last): not used
+    (first / gguf_cache.COMPLETE).write_text(json.dumps(facts, sort_keys=True))
+    assert gguf_cache._is_complete(first, facts)
+
+    recent = first.parent / "recent"
+    recent.mkdir()
+    (recent / gguf_cache.COMPLETE).write_text("{}")
+    old = time.time() - (gguf_cache.UNUSED_DAYS + 1) * 86400
+    os.utime(first / gguf_cache.COMPLETE, (old, old))
+    gguf_cache._remove_unused(first.parent)
+    assert not first.exists() and recent.exists()
 
 
 def test_two_processes_converting_at_once_both_get_one_whole_copy(tmp_path, monkeypatch):
@@ -110,11 +124,11 @@ def test_two_processes_converting_at_once_both_get_one_whole_copy(tmp_path, monk
     with ThreadPoolExecutor(2) as pool:
         folders = list(pool.map(lambda _: gguf_cache.converted(gguf), range(2)))
     assert folders[0] == folders[1] == gguf_cache.converted_folder(gguf)
-    assert gguf_cache._is_complete(folders[0], gguf) and (folders[0] / "model.safetensors").is_file()
+    assert gguf_cache._is_complete(folders[0], gguf_cache._source_facts(gguf)) and (folders[0] / "model.safetensors").is_file()
     assert [p.name for p in folders[0].parent.iterdir()] == [folders[0].name]  # no staging folder left
 
     weights = folders[0] / "model.safetensors"
     kept = weights.stat().st_ino
     both_loaded = threading.Barrier(1)  # alone this time: nobody to wait for
-    gguf_cache._convert(gguf, folders[0])  # the one that finishes second: it must not replace what the other reads
+    gguf_cache._convert(gguf, gguf_cache._source_facts(gguf))  # finishing second, it keeps what the other reads
     assert weights.stat().st_ino == kept
