@@ -38,12 +38,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "eagle-chat"
 
 
-def _source_facts(gguf: Path) -> dict:
+def sha256(path: Path) -> str:
+    """A file's SHA-256, read in 16 MiB blocks."""
     digest = hashlib.sha256()
-    with gguf.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return {"sha256": digest.hexdigest(), "bytes": gguf.stat().st_size, "transformers": transformers.__version__}
+    with path.open("rb") as f:
+        while block := f.read(16 * 2**20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _source_facts(gguf: Path) -> dict:
+    return {"sha256": sha256(gguf), "bytes": gguf.stat().st_size, "transformers": transformers.__version__}
 
 
 def _folder(facts: dict) -> Path:

@@ -23,7 +23,6 @@ same groups with int8 activations, whose greedy tokens agree with float32's at ~
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import shutil
@@ -39,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine.gguf_cache import sha256  # noqa: E402
 from engine.models import embedded_gguf_path, load_model, load_tokenizer  # noqa: E402
 from engine.train.data import read_conversations, select_prompts, stop_ids  # noqa: E402
 from engine.train.fit import FitConfig  # noqa: E402
@@ -81,14 +81,6 @@ SMOKE_PROMPTS = 12
 SMOKE = Budget(minutes=0.75, data_share=0.7, max_new_tokens=12, slots=6, chunk=8, prefill_tokens=512,
                draft_vocab_size=2048, ttt_steps=2, batch_tokens=768, epochs=1.0, warmup=2, closing_s=15.0,
                val_every=400)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(16 * MIB):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def split_file(path: Path, folder: Path, part_bytes: int, stem: str) -> list[str]:
