@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import logging
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def _with_converted(source: tuple[str, dict], load):
             return load(str(gguf.parent), {"gguf_file": gguf.name, "local_files_only": True})
         try:
             loaded = load(str(folder), {"local_files_only": True})
-        except (OSError, ValueError, SafetensorError) as err:
+        except (OSError, json.JSONDecodeError, SafetensorError) as err:  # the copy's files, not a refusal to load
             if attempt:
                 raise
             log.warning("%s", err)
