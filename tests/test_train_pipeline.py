@@ -90,10 +90,12 @@ def test_fine_tuning_starts_from_the_given_head_and_keeps_its_vocabulary(tmp_pat
                  config=FitConfig(**FAST), init=tmp_path / "first")
 
 
-def test_data_resumes_without_redoing_finished_shards(tmp_path, tokenizer, tiny_chat_model):
+def test_data_resumes_without_redoing_finished_shards(tmp_path, tokenizer, tiny_chat_model, capsys):
     write_source(tmp_path / "source.jsonl", 6)
     args = dict(batch_size=2, max_new_tokens=4, max_prompt_tokens=128, shard_size=2)
     build_data(tiny_chat_model, tokenizer, tmp_path / "data", tmp_path / "source.jsonl", limit=4, **args)
+    # into a log (not a terminal) the bar is drawn when it opens and closes, not once per reply and per postfix
+    assert capsys.readouterr().err.count("\r") <= 2
     first = (tmp_path / "data" / "shard_00000.jsonl").read_text()
     build_data(tiny_chat_model, tokenizer, tmp_path / "data", tmp_path / "source.jsonl", limit=6, **args)
     assert (tmp_path / "data" / "shard_00000.jsonl").read_text() == first

@@ -49,12 +49,12 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import PreTrainedModel
-from tqdm import tqdm
 
 from ..draft.checkpoint import DEFAULT_HEAD
 from ..engine import Engine
 from ..models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, auto_dtype, load_base
 from ..params import METHODS as ENGINE_METHODS
+from ..progress import progress_bar
 from ..params import DecodeParams
 from ..tree import TREES, DynamicTree
 from ..quant import GROUPED, KERNELS, KERNELS_HELP, gguf_file
@@ -263,10 +263,10 @@ def run_all(engines: dict[str, Engine], hf_model: PreTrainedModel, setup: Setup,
     for method in methods:
         run_method(engines, hf_model, method, prompts[0], warmup, llama)
     runs: dict[str, list[Run]] = {m: [] for m in methods}
-    with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen") as bar:
+    with progress_bar(total=len(prompts) * len(methods), desc="bench", unit="gen") as bar:
         for i, (q, prompt) in enumerate(zip(setup.questions, prompts)):
             for method in methods[i % len(methods):] + methods[: i % len(methods)]:
-                bar.set_postfix(question=q["question_id"], method=method)
+                bar.set_postfix(question=q["question_id"], method=method, refresh=False)
                 runs[method].append(run_method(engines, hf_model, method, prompt, params, llama))
                 bar.update()
     return runs

@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from tqdm import tqdm
-
 from ..engine import Engine
 from ..params import DecodeParams
+from ..progress import progress_bar
 from ..quant import KERNELS, KERNELS_HELP
 from ..tree import DynamicTree
 from .report import summarize
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
                                      for tree in tree_grid(args.total_tokens, args.depth, args.draft_top_k)}
     run_engine(engine, prompts[0], DecodeParams(max_new_tokens=8))  # warm-up
     runs = {key: [] for key in settings}
-    with tqdm(total=len(prompts) * len(runs), desc="tune") as bar:
+    with progress_bar(total=len(prompts) * len(runs), desc="tune") as bar:
         for prompt in prompts:
             for key, params in settings.items():
                 runs[key].append(run_engine(engine, prompt, params))

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from tqdm.auto import tqdm
-
 from ..engine import oldest_turns_dropped
+from ..progress import progress_bar
 from .generation import generate_replies
 from .store import load_records
 
@@ -305,7 +304,7 @@ def build_data(model, tokenizer, out: str | Path, source: str | Path | None = No
         answers = ((todo[i], reply) for i, reply in generated)
     else:
         answers = iter(())
-    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc=f"{replies} replies", unit="conv")
+    bar = progress_bar(total=len(prompts), initial=len(prompts) - len(todo), desc=f"{replies} replies", unit="conv")
     write_shards(out, _records(answers, bar), shard_size)
     bar.close()
     return out
@@ -318,5 +317,5 @@ def _records(answers: Iterable[tuple[tuple, list[int]]], bar) -> Iterator[dict]:
         bar.update(1)
         if reply:
             reply_tokens += len(reply)
-            bar.set_postfix(reply_tokens=reply_tokens)
+            bar.set_postfix(reply_tokens=reply_tokens, refresh=False)
             yield {"id": ident, "prompt": messages, "input_ids": ids + reply, "prompt_len": len(ids)}

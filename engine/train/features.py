@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from ..draft.eagle3 import fused_layers
+from ..progress import progress_bar
 
 CHUNK = 64  # conversations per cache file
 
@@ -81,7 +81,7 @@ def cache_features(model, records: list[dict], folder: str | Path, kind: str, ma
         raise ValueError(f"{folder} holds features of other data or another head kind; choose an empty folder")
     meta_file.write_text(json.dumps(meta))
     chunks = range(0, len(records), CHUNK)
-    for start in tqdm(chunks, desc="target features", unit="chunk"):
+    for start in progress_bar(iterable=chunks, desc="target features", unit="chunk"):
         path = folder / f"chunk_{start // CHUNK:05d}.safetensors"
         if path.exists():
             continue

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from tqdm.auto import tqdm
 
 from ..draft.checkpoint import save_head
 from ..draft.head import DraftHead
+from ..progress import progress_bar
 from ..quant import QuantLinear
 
 
@@ -325,9 +324,8 @@ class Trainer:
         resumed = self.resume()
         start_step, started = self.step, time.time()
         stop = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
-        # a log file (a GPU run's, a CI job's) gets a line every 30 s rather than a redraw per step
-        bar = tqdm(total=stop, initial=self.step, desc=f"fit {self.unwrapped.kind}", unit="step",
-                   disable=not self.accelerator.is_main_process, mininterval=0.5 if sys.stderr.isatty() else 30)
+        bar = progress_bar(total=stop, initial=self.step, desc=f"fit {self.unwrapped.kind}", unit="step",
+                           disable=not self.accelerator.is_main_process)
         running, timed = None, None
         while self.step < stop:
             if self.step - start_step == 1:
