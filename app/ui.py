@@ -297,6 +297,8 @@ def _side_panel(handlers: Handlers) -> SidePanel:
             "total_tokens": gr.Slider(2, 96, value=tree.total_tokens, step=1, label="Tree size",
                                       info="tokens verified per round (root included)"),
             "depth": gr.Slider(1, 10, value=tree.depth, step=1, label="Tree depth"),
+            "min_prob": gr.Slider(0.0, 0.95, value=tree.min_prob, step=0.05, label="Draft confidence floor",
+                                  info="drafts the head gives less probability are not verified"),
             "context": gr.Checkbox(value=True, label="EAGLE drafts from the context too", elem_id="context",
                                    info="continuations of earlier text join the head's tree"),
         }
@@ -328,7 +330,7 @@ def _wire_chat(handlers: Handlers, conversation: gr.State, chat: ChatTab, side: 
 
 def _wire_compare(handlers: Handlers, compare: CompareTab, side: SidePanel) -> None:
     inputs = dict(text=compare.prompt, provenance=side.provenance,
-                  **{name: side.controls[name] for name in ("max_new_tokens", "total_tokens", "depth")})
+                  **{name: side.controls[name] for name in ("max_new_tokens", "total_tokens", "depth", "min_prob")})
     outputs = [compare.plain, compare.eagle, compare.verdict, side.meter]
     comparisons = [trigger(handlers.compare, inputs_kwargs=inputs, outputs=outputs, **ENGINE_EVENTS)
                    for trigger in (compare.prompt.submit, compare.button.click)]

@@ -10,7 +10,8 @@ from .verify import Sampling
 
 METHODS = ("vanilla", "eagle", "suffix")
 _SAMPLING_OPTIONS = ("temperature", "top_p", "top_k")
-_DYNAMIC_TREE_OPTIONS = {"total_tokens": "total_tokens", "depth": "depth", "draft_top_k": "top_k"}
+_DYNAMIC_TREE_OPTIONS = {"total_tokens": "total_tokens", "depth": "depth", "draft_top_k": "top_k",
+                         "min_prob": "min_prob"}
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ class DecodeParams:
 
     def with_options(self, **options) -> DecodeParams:
         """A copy with flat options changed, the shape command-line flags, UI controls and API fields arrive in:
-        temperature, top_p, top_k (sampling); tree ("dynamic" or "static"); total_tokens, depth, draft_top_k (the
-        dynamic tree); context (True or False: draft from the context, or a ContextDraft); and this class's own
+        temperature, top_p, top_k (sampling); tree ("dynamic" or "static"); total_tokens, depth, draft_top_k, min_prob
+        (the dynamic tree); context (True or False: draft from the context, or a ContextDraft); and this class's own
         fields."""
         sampling = {name: options.pop(name) for name in _SAMPLING_OPTIONS if name in options}
         shape = {key: options.pop(name) for name, key in _DYNAMIC_TREE_OPTIONS.items() if name in options}

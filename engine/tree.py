@@ -3,6 +3,7 @@ before children) with the ancestor mask and depths that verification needs, the 
 (`DynamicTree`, `StaticTree`) that say which tree a round grows, and the grafting of the context's chains."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Protocol, Union
 
@@ -91,12 +92,16 @@ class _FedNodes:
 
 
 def grow_dynamic(
-    expander: Expander, root: int, root_hidden: torch.Tensor, top_k: int, depth: int, total_tokens: int
+    expander: Expander, root: int, root_hidden: torch.Tensor, top_k: int, depth: int, total_tokens: int,
+    min_prob: float = 0.0,
 ) -> DraftTree:
     """EAGLE-2: expand the top_k best nodes by cumulative draft log-prob for `depth` steps, keep the best
-    total_tokens - 1 candidates. Scores never grow along a path, so a kept node's parent is always kept; and a node
-    ranks behind all its ancestors (ties go to the earlier), so levels deeper than the kept count are never grown."""
+    total_tokens - 1 candidates, and of those only the ones whose cumulative draft probability is at least min_prob.
+    Scores never grow along a path, so a kept node's parent is always kept; and a node ranks behind all its
+    ancestors (ties go to the earlier), so levels deeper than the kept count, or whose parents all fall below
+    min_prob, are never grown. The tree may be the root alone: then the round is a plain step."""
     device = root_hidden.device
+    floor = math.log(min_prob) if min_prob > 0 else -math.inf
     logp = expander.log_probs(root_hidden[None])[0]
     scores, ids = logp.topk(top_k)
     all_tokens, all_scores = [expander.to_target(ids)], [scores]
@@ -107,6 +112,8 @@ def grow_dynamic(
     fed = _FedNodes(expander, device)
     next_number = top_k + 1
     for level in range(min(depth, total_tokens - 2)):
+        if min_prob > 0 and scores[0] < floor:  # sorted: no child can reach min_prob (on a GPU, a sync)
+            break
         out = fed.feed(hidden, tokens, frontier_parent_rows, level)
         fed_rows = torch.arange(fed.rows.shape[0] - top_k, fed.rows.shape[0], device=device)
         child_scores, child_ids = expander.log_probs(out).topk(top_k, dim=-1)
@@ -122,7 +129,7 @@ def grow_dynamic(
         next_number += top_k * top_k
 
     flat_scores = torch.cat(all_scores)
-    keep = min(total_tokens - 1, len(flat_scores))
+    keep = min(total_tokens - 1, len(flat_scores) if min_prob <= 0 else int((flat_scores >= floor).sum()))
     order = torch.sort(-flat_scores, stable=True).indices[:keep].sort().values
     number_to_node = torch.full((len(flat_scores) + 1,), -1, dtype=torch.long, device=device)
     number_to_node[0] = 0
@@ -180,10 +187,16 @@ class DynamicTree:
     total_tokens: int = 2  # tree nodes including the root (the official `total_token`)
     depth: int = 1  # expansion steps: the tree reaches depth + 1 drafted levels
     top_k: int = 2  # children per expanded node
+    # Keep only drafts whose path the head gives at least this probability (0: keep total_tokens - 1 always). The
+    # head's cumulative probability tracks acceptance (EAGLE-2; README, "Drafts worth their row"), and on a CPU a
+    # verified row costs a fifth of a plain step or more, so a draft unlikely to be accepted costs more than it brings.
+    min_prob: float = 0.0
 
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
             raise ValueError("tree depth and draft top-k must be >= 1 and total_tokens >= 2")
+        if not 0 <= self.min_prob < 1:
+            raise ValueError(f"min_prob must be in [0, 1), got {self.min_prob}")
 
     @property
     def max_levels(self) -> int:
@@ -191,7 +204,7 @@ class DynamicTree:
         return self.depth + 1
 
     def grow(self, expander: Expander, root: int, root_hidden: torch.Tensor) -> DraftTree:
-        return grow_dynamic(expander, root, root_hidden, self.top_k, self.depth, self.total_tokens)
+        return grow_dynamic(expander, root, root_hidden, self.top_k, self.depth, self.total_tokens, self.min_prob)
 
     def beside(self, context_nodes: int) -> DynamicTree | None:
         """The head's share of the round when the context's chains take `context_nodes` of its total_tokens - 1

@@ -40,12 +40,13 @@ def handlers(service) -> Handlers:
 def settings(**changes) -> dict:
     """The settings controls' values, by the names the page passes them under."""
     return {"method": "eagle", "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12, "total_tokens": 8, "depth": 3,
-            "context": True, **changes}
+            "min_prob": 0.0, "context": True, **changes}
 
 
 def test_the_settings_reach_the_decode_parameters(handlers):
-    params = handlers.params(**settings(temperature=0.7, total_tokens=12.0))
+    params = handlers.params(**settings(temperature=0.7, total_tokens=12.0, min_prob=0.25))
     assert params.method == "eagle" and params.sampling.temperature == 0.7 and params.tree.total_tokens == 12
+    assert params.tree.min_prob == 0.25
     assert params.context is not None and params.plain_every > 0
     assert handlers.params(**settings(context=False)).context is None
     assert handlers.params(**settings(method="suffix")).method == "suffix"

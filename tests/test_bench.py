@@ -10,6 +10,8 @@ from engine import DecodeParams, Engine
 from engine.tools.bench import METHODS, exactness_exempt, main
 from engine.tools.report import exactness_warnings, print_table, summarize
 from engine.tools.runs import Run
+from engine.tools.tune_tree import tree_grid
+from engine.tree import DynamicTree
 from engine.draft.checkpoint import new_head, save_head
 from engine.models import auto_dtype, load_tokenizer
 
@@ -253,3 +255,10 @@ def test_hf_runs_transformers_own_layers_whatever_the_engines_kernels(kernels, t
     # the one the float path would take, bfloat16 where the CPU multiplies it natively
     expected = auto_dtype("cpu") if kernels != "float" else str(engine.model.dtype).removeprefix("torch.")
     assert str(model.dtype).removeprefix("torch.") == expected
+
+
+def test_tune_tree_grid_holds_every_setting_that_can_fill_its_budget():
+    grid = tree_grid("2,6", "1,5", "1,2", "0,0.2")
+    assert DynamicTree(6, 5, 1, 0.2) in grid and DynamicTree(2, 1, 2, 0.0) in grid
+    assert DynamicTree(6, 1, 1, 0.0) not in grid, "5 drafts cannot fit in two levels of one child each"
+    assert len(grid) == len(set(grid)) == 14

@@ -9,6 +9,7 @@ from engine import DecodeParams
 from engine.draft.checkpoint import save_head
 
 NEW_TOKENS = 80
+MIN_PROB = 0.3  # the tiny random head's drafts fall on both sides of it
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -38,6 +39,17 @@ def test_tree_settings_stay_lossless(total_tokens, depth, top_k, prompt):
     vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=60))
     eagle = engine.generate(prompt, method="eagle", max_new_tokens=60, total_tokens=total_tokens, depth=depth, draft_top_k=top_k)
     assert tokens_of(eagle) == vanilla
+
+
+def test_confidence_threshold_stays_lossless(prompt):
+    """With min_prob some rounds keep no draft (a plain step) and others a tree: the tokens stay vanilla's."""
+    engine = tiny_engine("llama-h64-l8-gqa", "eagle3")
+    vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=60))
+    steps = list(engine.generate(prompt, method="eagle", max_new_tokens=60, total_tokens=8, depth=3, draft_top_k=2,
+                                 min_prob=MIN_PROB, context=False))
+    assert tokens_of(steps) == vanilla
+    sizes = {s.tree_size for s in steps if s.kind == "speculative"}
+    assert 0 in sizes and max(sizes) > 0, f"tree sizes {sizes}: the threshold must both keep and drop drafts here"
 
 
 def test_stops_at_context_limit_with_same_tokens(prompt):

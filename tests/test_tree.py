@@ -2,6 +2,7 @@
 function of the token path it read lets EAGLE-2's ranking, parents and cumulative scores and EAGLE-1's static
 ranks be checked against brute force (oracles.py), along with what every fed node sees and the level it is fed
 at; the real heads' trees are checked against the head run one token at a time along each node's path."""
+import math
 import zlib
 
 import pytest
@@ -187,6 +188,30 @@ def test_dynamic_tree_is_eagle2s_best_scored_nodes(top_k, depth, total_tokens):
         _assert_siblings_in_rank_order(head, tree)
         # A node of depth d ranks behind its d - 1 ancestors: levels deeper than the kept count are not fed.
         assert max(map(len, head.fed), default=0) == min(depth, total_tokens - 2)
+
+
+@pytest.mark.parametrize("min_prob", [0.01, 0.05, 0.2, 0.6, 0.95])
+def test_min_prob_keeps_the_confident_best_nodes_and_grows_no_level_below_it(min_prob):
+    top_k, depth, total_tokens = 3, 4, 12
+    grown = min(depth, total_tokens - 2)
+    for seed in range(4):
+        head = PathHead(seed)
+        tree = grow_dynamic(head, ROOT, PathHead.encode(()), top_k, depth, total_tokens, min_prob)
+        _check_tree(tree)
+        best = dynamic_tree_reference(head.reference_log_probs, head.reference_to_target, top_k, depth, total_tokens)
+        floor = math.log(min_prob)
+        paths = node_paths(tree.tokens.tolist(), tree.parents.tolist())[1:]
+        assert sorted(paths) == sorted(p for p, score in best.items() if score >= floor)
+        # A level is fed only when some node of its beam reaches min_prob: else none of its children could.
+        met = dynamic_tree_reference(head.reference_log_probs, head.reference_to_target, top_k, depth, 10**6)
+        worth = max((len(p) for p, score in met.items() if score >= floor and len(p) <= grown), default=0)
+        assert max(map(len, head.fed), default=0) == worth
+
+
+def test_min_prob_out_of_range_is_refused():
+    for bad in (-0.1, 1.0, 2.0):
+        with pytest.raises(ValueError, match="min_prob"):
+            DynamicTree(min_prob=bad)
 
 
 def _assert_siblings_in_rank_order(head: PathHead, tree) -> None:

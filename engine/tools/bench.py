@@ -116,7 +116,7 @@ def parse_sizes(text: str, flag: str = "--verify-curve", what: str = "tree sizes
 
 def decode_params(args: argparse.Namespace) -> DecodeParams:
     """The decoding settings of every engine method; the tree options are passed only when given."""
-    tree_options = {name: getattr(args, name) for name in ("total_tokens", "depth", "draft_top_k")
+    tree_options = {name: getattr(args, name) for name in ("total_tokens", "depth", "draft_top_k", "min_prob")
                     if getattr(args, name) is not None}
     return DecodeParams().with_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                        seed=args.seed, tree=args.tree, context=args.context, **tree_options)
@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--total-tokens", type=int, help=f"dynamic tree nodes incl. root (default {tree.total_tokens})")
     add("--depth", type=int, help=f"dynamic tree expansion steps (default {tree.depth})")
     add("--draft-top-k", type=int, help=f"children per expanded node (default {tree.top_k})")
+    add("--min-prob", type=float, help=f"keep only drafts the head gives at least this probability (default "
+        f"{tree.min_prob})")
     add("--no-suffix", dest="context", action="store_false",
         help="eagle drafts with the head alone, without the context's continuations")
     add("--kernels", default="auto", choices=list(KERNELS), help=KERNELS_HELP)

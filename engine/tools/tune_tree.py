@@ -30,13 +30,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--total-tokens", default="8,12,16,24,32", help="comma-separated values to try")
     parser.add_argument("--depth", default="3,4,5,6")
     parser.add_argument("--draft-top-k", default="4,8")
+    parser.add_argument("--min-prob", default="0", help="comma-separated values to try (0: no threshold)")
     return parser.parse_args(argv)
 
 
-def tree_grid(total_tokens: str, depth: str, top_k: str) -> list[DynamicTree]:
+def tree_grid(total_tokens: str, depth: str, top_k: str, min_prob: str = "0") -> list[DynamicTree]:
     """Every combination of the comma-separated values that can fill its node budget."""
-    values = (map(int, v.split(",")) for v in (total_tokens, depth, top_k))
-    return [DynamicTree(t, d, k) for t, d, k in itertools.product(*values) if t - 1 <= k * (1 + d * k)]
+    sizes = (map(int, v.split(",")) for v in (total_tokens, depth, top_k))
+    floors = [float(p) for p in min_prob.split(",")]
+    fitting = [(t, d, k) for t, d, k in itertools.product(*sizes) if t - 1 <= k * (1 + d * k)]
+    return [DynamicTree(t, d, k, p) for t, d, k in fitting for p in floors]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts, categories = first_turn_prompts(engine, questions), [q["category"] for q in questions]
     plain = DecodeParams(method="vanilla", max_new_tokens=args.max_new_tokens)
     settings = {"vanilla": plain} | {tree: DecodeParams(max_new_tokens=args.max_new_tokens, tree=tree)
-                                     for tree in tree_grid(args.total_tokens, args.depth, args.draft_top_k)}
+                                     for tree in tree_grid(args.total_tokens, args.depth, args.draft_top_k,
+                                                           args.min_prob)}
     run_engine(engine, prompts[0], DecodeParams(max_new_tokens=8))  # warm-up
     runs = {key: [] for key in settings}
     with progress_bar(total=len(prompts) * len(runs), desc="tune") as bar:
@@ -57,10 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     plain_runs = runs.pop("vanilla")
     vanilla = summarize(plain_runs, None, categories)
     print(f"vanilla: {vanilla['tokens_per_s']:.2f} tok/s")
-    print("total_tokens depth draft_top_k   tok/s  x vanilla   tau  draft ms  verify ms  = vanilla")
+    print("total_tokens depth draft_top_k min_prob   tok/s  x vanilla   tau  draft ms  verify ms  = vanilla")
     rows = [(summarize(r, plain_runs, categories), tree) for tree, r in runs.items()]
     for s, tree in sorted(rows, key=lambda row: -row[0]["tokens_per_s"]):
-        print(f"{tree.total_tokens:12d} {tree.depth:5d} {tree.top_k:11d} {s['tokens_per_s']:7.2f} "
+        print(f"{tree.total_tokens:12d} {tree.depth:5d} {tree.top_k:11d} {tree.min_prob:8.2f} {s['tokens_per_s']:7.2f} "
               f"{s['tokens_per_s'] / vanilla['tokens_per_s']:9.2f} {s['tau']:5.2f} {s['draft_ms']:9.1f} "
               f"{s['verify_ms']:10.1f}  {s['matches_vanilla']}/{len(prompts)}")
 
