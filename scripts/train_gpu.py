@@ -49,7 +49,9 @@ from engine.train.store import load_records, save_records  # noqa: E402
 MIB = 2**20
 CALL_MIB = 64  # what one device call takes, this checkout included
 RETURN_MIB = 15  # under the 16 MiB a returned file may hold
-COMMITTED = ROOT / "data" / "selfdistill" / "smollm2-int8-2000.npz"
+# The committed self-distilled records (README, "How the shipped head was trained", step 9 on): left out of the
+# prompts, trained on beside the new replies; the first file's every 40th record is the validation set.
+COMMITTED = tuple(ROOT / "data" / "selfdistill" / name for name in ("smollm2-int8-2000.npz", "smollm2-int8-turns.npz"))
 BASE_NAME = "base.gguf"
 PROMPTS = "prompts.npz"
 MANIFEST = "manifest.json"
@@ -145,7 +147,7 @@ def pack(out: Path, base: Path, limit: int | None, max_prompt_tokens: int, part_
         shutil.rmtree(out)
     out.mkdir(parents=True)
     tokenizer = load_tokenizer(str(base))
-    have = {r["id"] for r in load_records(COMMITTED)}
+    have = {r["id"] for path in COMMITTED for r in load_records(path)}
     wanted = None if limit is None else limit + len(have)
     chosen = select_prompts(read_conversations(), tokenizer, wanted, max_prompt_tokens, turns="all")
     prompts = [{"id": ident, "input_ids": ids, "prompt_len": len(ids)} for ident, _, ids, _ in chosen
@@ -259,7 +261,7 @@ def run(parts: list[Path], out: Path, budget: Budget, device: str, work: Path) -
                        batch_tokens=budget.batch_tokens, save_every=0, eval_every=0)
     head = work / "head"
     fit_s = end - time.time() - budget.closing_s
-    data = [COMMITTED, *(out / name for name in data_files)]
+    data = [*COMMITTED, *(out / name for name in data_files)]
     summary = fit_head(model, data, head, work / "fit", "eagle3", budget.draft_vocab_size, config, cache=False,
                        val_every=budget.val_every, time_limit_s=max(fit_s, 1.0))
     head_files = split_file(head / "model.safetensors", out, RETURN_MIB * MIB, "head.safetensors")

@@ -83,7 +83,7 @@ def test_the_smoke_run_regenerates_greedy_replies_and_brings_back_a_head_that_lo
     assert "train_gpu.py run" in plan["calls"][-1]["command"]
 
     prompts = {r["id"]: r for r in load_records(packed / train_gpu.PROMPTS)}
-    committed = {r["id"] for r in load_records(train_gpu.COMMITTED)}
+    committed = {r["id"] for path in train_gpu.COMMITTED for r in load_records(path)}
     assert len(prompts) == train_gpu.SMOKE_PROMPTS and not committed & set(prompts)
     records = load_records(tmp_path / "data.npz")
     assert records and {r["id"] for r in records} <= set(prompts)

@@ -53,7 +53,7 @@ def test_export_then_fit_input_then_import_gives_the_shards_back(tmp_path, capsy
     write_shards(tmp_path / "b", rows[15:], shard_size=8)  # overlaps a: rows 15-19 twice
     main(["export", "--data", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "x.npz"),
           "--note", "data --limit 30"])
-    assert "30 records (5 repeated left out)" in capsys.readouterr().out
+    assert "30 records (5 repeated, 0 held elsewhere left out)" in capsys.readouterr().out
     assert read_shards(tmp_path / "x.npz") == without_text(rows)  # what fit --data FILE.npz reads
     with np.load(tmp_path / "x.npz") as data:
         assert json.loads(str(data["meta"]))["command"] == "data --limit 30"
@@ -77,3 +77,13 @@ def test_a_file_of_another_kind_is_refused_with_the_reason(tmp_path):
         load_records(tmp_path / "missing.npz")
     with pytest.raises(ValueError, match="no records"):
         save_records([], tmp_path / "empty.npz")
+
+
+def test_export_leaves_out_the_records_another_file_holds(tmp_path, capsys):
+    rows = records(30)
+    save_records(rows[:12], tmp_path / "committed.npz")
+    write_shards(tmp_path / "resumed", rows, shard_size=8)  # imported from committed.npz, then resumed
+    main(["export", "--data", str(tmp_path / "resumed"), "--exclude", str(tmp_path / "committed.npz"),
+          "--out", str(tmp_path / "more.npz")])
+    assert "18 records (0 repeated, 12 held elsewhere left out)" in capsys.readouterr().out
+    assert read_shards(tmp_path / "more.npz") == without_text(rows[12:])

@@ -92,11 +92,14 @@ def run_export(args: argparse.Namespace) -> None:
     from .data import read_shards
     from .store import save_records
 
+    elsewhere = {r["id"] for path in args.exclude for r in read_shards(path)}
     records = [r for folder in args.data for r in read_shards(folder)]
-    summary = save_records(records, args.out, {"command": args.note} if args.note else None)
+    kept = [r for r in records if r["id"] not in elsewhere]
+    summary = save_records(kept, args.out, {"command": args.note} if args.note else None)
     size = Path(args.out).stat().st_size
-    print(f"{args.out}: {summary['records']} records ({len(records) - summary['records']} repeated left out), "
-          f"{summary['tokens']} tokens, {summary['reply_tokens']} reply tokens, {size / 2**20:.1f} MiB")
+    print(f"{args.out}: {summary['records']} records ({len(kept) - summary['records']} repeated, "
+          f"{len(records) - len(kept)} held elsewhere left out), {summary['tokens']} tokens, "
+          f"{summary['reply_tokens']} reply tokens, {size / 2**20:.1f} MiB")
 
 
 def run_import(args: argparse.Namespace) -> None:
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("--data", nargs="+", required=True, help="data folders or record files, in order")
     export.add_argument("--out", required=True, help="record file to write (.npz)")
     export.add_argument("--note", default=None, help="stored in the file, e.g. the data command that made it")
+    export.add_argument("--exclude", nargs="+", default=[], help="record files (or folders) whose records are "
+                        "kept there: records with their ids are left out (a folder resumed from a committed file)")
     restore = commands.add_parser("import", help="write a record file back as shards, for a data run to resume after")
     restore.add_argument("file", help="record file (.npz) written by export")
     restore.add_argument("--out", required=True, help="data folder (records it already has are skipped)")
