@@ -10,8 +10,9 @@ from .verify import Sampling
 
 METHODS = ("vanilla", "eagle", "suffix")
 _SAMPLING_OPTIONS = ("temperature", "top_p", "top_k")
-_DYNAMIC_TREE_OPTIONS = {"total_tokens": "total_tokens", "depth": "depth", "draft_top_k": "top_k",
-                         "min_prob": "min_prob"}
+# flat option names (with_options, the bench's flags) -> DynamicTree fields
+DYNAMIC_TREE_OPTIONS = {"total_tokens": "total_tokens", "depth": "depth", "draft_top_k": "top_k",
+                        "min_prob": "min_prob"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class DecodeParams:
         (the dynamic tree); context (True or False: draft from the context, or a ContextDraft); and this class's own
         fields."""
         sampling = {name: options.pop(name) for name in _SAMPLING_OPTIONS if name in options}
-        shape = {key: options.pop(name) for name, key in _DYNAMIC_TREE_OPTIONS.items() if name in options}
+        shape = {key: options.pop(name) for name, key in DYNAMIC_TREE_OPTIONS.items() if name in options}
         tree = options.pop("tree", self.tree)
         if isinstance(tree, str):
             if tree not in TREES:
@@ -76,6 +77,6 @@ class DecodeParams:
             options["context"] = (self.context or ContextDraft()) if options["context"] else None
         unknown = sorted(set(options) - {f.name for f in fields(self)})
         if unknown:
-            known = [f.name for f in fields(self) if f.name != "sampling"] + [*_SAMPLING_OPTIONS, *_DYNAMIC_TREE_OPTIONS]
+            known = [f.name for f in fields(self) if f.name != "sampling"] + [*_SAMPLING_OPTIONS, *DYNAMIC_TREE_OPTIONS]
             raise TypeError(f"unknown decoding option {', '.join(unknown)}; known: {', '.join(known)}")
         return replace(self, sampling=replace(self.sampling, **sampling), tree=tree, **options)

@@ -55,7 +55,7 @@ from ..engine import Engine
 from ..models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, auto_dtype, load_base
 from ..params import METHODS as ENGINE_METHODS
 from ..progress import progress_bar
-from ..params import DecodeParams
+from ..params import DYNAMIC_TREE_OPTIONS, DecodeParams
 from ..tree import TREES, DynamicTree
 from ..quant import GROUPED, KERNELS, KERNELS_HELP, gguf_file
 from .costs import verification_curve
@@ -116,8 +116,7 @@ def parse_sizes(text: str, flag: str = "--verify-curve", what: str = "tree sizes
 
 def decode_params(args: argparse.Namespace) -> DecodeParams:
     """The decoding settings of every engine method; the tree options are passed only when given."""
-    tree_options = {name: getattr(args, name) for name in ("total_tokens", "depth", "draft_top_k", "min_prob")
-                    if getattr(args, name) is not None}
+    tree_options = {name: getattr(args, name) for name in DYNAMIC_TREE_OPTIONS if getattr(args, name) is not None}
     return DecodeParams().with_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                        seed=args.seed, tree=args.tree, context=args.context, **tree_options)
 

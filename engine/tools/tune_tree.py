@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def tree_grid(total_tokens: str, depth: str, top_k: str, min_prob: str = "0") -> list[DynamicTree]:
+def tree_grid(total_tokens: str, depth: str, top_k: str, min_prob: str) -> list[DynamicTree]:
     """Every combination of the comma-separated values that can fill its node budget."""
     sizes = (map(int, v.split(",")) for v in (total_tokens, depth, top_k))
     floors = [float(p) for p in min_prob.split(",")]
