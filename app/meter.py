@@ -6,14 +6,20 @@ PLAIN_EVERY-th round, DecodeParams.plain_every), under whatever else the machine
 speedup divides the answer's speed (those steps included: what the user gets) by those steps' speed. A
 plain-decoding answer is its own baseline: 1.00×. Speeds count decoding rounds only: the prefill (prompt
 processing) costs the same with or without EAGLE.
+
+A hiccup (a step the machine held up, e.g. while the browser repaints) lands on one of the ~8 plain steps of an
+answer as often as on any round, but there it moves the baseline by a third or more: a hiccup's excess time is
+taken out of the plain step it hit and spread over the whole answer, so that it slows both sides alike.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import mean, median, stdev
 
 from engine import Step
 
 PLAIN_EVERY = 8  # a timed plain step every 8th round
+HICCUP = 2.0  # a step over twice its kind's median time was held up by the machine, not slowed by the method
 CHART_ROUNDS = 48  # rounds shown in the acceptance chart
 METHOD_NAMES = {"eagle": "EAGLE", "suffix": "Context drafting (no head)", "vanilla": "Plain decoding"}
 FINISH_NAMES = {"eos": "finished", "length": "token limit reached", "context": "context full"}
@@ -21,30 +27,46 @@ FINISH_NAMES = {"eos": "finished", "length": "token limit reached", "context": "
 
 @dataclass
 class Rate:
-    """Tokens and the seconds they took, summed (not rates averaged)."""
+    """Tokens and the seconds each step took (rates come from sums, not from averaging rates)."""
 
     tokens: int = 0
+    times: list[float] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)  # steps of one group do the same work (a tree's size)
     seconds: float = 0.0
-    steps: int = 0
-    squares: float = 0.0  # each step's seconds squared, summed: the spread of step times
 
-    def add(self, tokens: int, seconds: float) -> None:
-        self.tokens, self.seconds, self.steps = self.tokens + tokens, self.seconds + seconds, self.steps + 1
-        self.squares += seconds * seconds
+    def add(self, tokens: int, seconds: float, group: int = 0) -> None:
+        self.tokens += tokens
+        self.times.append(seconds)
+        self.groups.append(group)
+        self.seconds += seconds
+
+    @property
+    def steps(self) -> int:
+        return len(self.times)
 
     @property
     def per_s(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
 
-    @property
-    def relative_error(self) -> float | None:
-        """Standard error of the mean step time over the mean, from 3 steps on: how far a rate measured on this
-        few steps may be off (steps of equal work vary ~15-30 % here with what the machine does meanwhile)."""
-        if self.steps < 3 or self.seconds <= 0:
-            return None
-        mean = self.seconds / self.steps
-        variance = max(0.0, self.squares / self.steps - mean * mean) * self.steps / (self.steps - 1)
-        return (variance / self.steps) ** 0.5 / mean
+    def steady_times(self) -> list[float]:
+        """Step times with each hiccup (over HICCUP × the median of its group, from 3 steps on) cut to that
+        median."""
+        typical = {}
+        for group in set(self.groups):
+            times = [t for t, g in zip(self.times, self.groups) if g == group]
+            typical[group] = median(times) if len(times) >= 3 else float("inf")
+        return [typical[g] if t > HICCUP * typical[g] else t for t, g in zip(self.times, self.groups)]
+
+    def hiccup_seconds(self) -> float:
+        return self.seconds - sum(self.steady_times())
+
+
+def relative_error(times: list[float]) -> float | None:
+    """Standard error of the mean step time over the mean, from 3 steps on: how far a rate measured on this few
+    steps may be off (steps of equal work vary ~15-30 % here with what the machine does meanwhile)."""
+    if len(times) < 3 or sum(times) <= 0:
+        return None
+    return stdev(times) / len(times) ** 0.5 / mean(times)
 
 
 @dataclass
@@ -68,7 +90,7 @@ class TurnMeter:
         if step.kind == "plain":
             self.plain.add(len(step.tokens), step.wall_s - step.draft_s)
         else:
-            self.speculative.add(len(step.tokens), step.wall_s)
+            self.speculative.add(len(step.tokens), step.wall_s, group=step.tree_size)
         self.per_round.append(len(step.tokens))
 
     @property
@@ -91,18 +113,34 @@ class TurnMeter:
         return rounds.tokens / rounds.steps if rounds.steps else None
 
     @property
+    def plain_per_s(self) -> float | None:
+        """The baseline: the plain steps' tokens/s under this answer's conditions. Their hiccups' excess is spread
+        over the whole answer: each step costs its steady mean × (the answer's time ÷ its time without hiccups)."""
+        if not self.plain.steps:
+            return None
+        hiccups = self.speculative.hiccup_seconds() + self.plain.hiccup_seconds()
+        slowdown = self.decoding.seconds / (self.decoding.seconds - hiccups) if hiccups else 1.0
+        step_s = mean(self.plain.steady_times()) * slowdown
+        return self.plain.tokens / self.plain.steps / step_s if step_s > 0 else None
+
+    @property
+    def hiccups(self) -> int:
+        """Rounds the machine held up (over HICCUP × their kind's median), plain steps and drafting rounds."""
+        return sum(t != s for rate in (self.plain, self.speculative) for t, s in zip(rate.times, rate.steady_times()))
+
+    @property
     def speedup(self) -> float | None:
         """The answer's tokens/s (the figure shown, its own plain steps included) over its plain steps' tokens/s; 1
         for plain decoding."""
         if self.method == "vanilla":
             return 1.0 if self.rounds else None
-        fast, plain = self.decoding.per_s, self.plain.per_s
+        fast, plain = self.decoding.per_s, self.plain_per_s
         return fast / plain if fast and plain else None
 
     @property
     def speedup_error(self) -> float | None:
         """± on the speedup, relative: the plain baseline is a sample of a few steps, the answer's speed is not."""
-        return self.plain.relative_error if self.method != "vanilla" else None
+        return relative_error(self.plain.steady_times()) if self.method != "vanilla" else None
 
     def basis(self) -> str:
         """What the × compares, in words."""
@@ -113,9 +151,14 @@ class TurnMeter:
         error = self.speedup_error
         spread = "" if error is None else f" ± {100 * error:.0f} %"
         basis = (f"× = this answer ({_figure(self.decoding.per_s, 1)} tokens/s) ÷ plain decoding "
-                 f"({_figure(self.plain.per_s, 1)} tokens/s{spread}), both timed in this answer: {self.plain.steps} "
+                 f"({_figure(self.plain_per_s, 1)} tokens/s{spread}), both timed in this answer: {self.plain.steps} "
                  f"plain step{'s' if self.plain.steps > 1 else ''}, one every {PLAIN_EVERY} rounds.")
-        return basis + (" ± is the standard error of the plain steps' mean." if spread else "")
+        if spread:
+            basis += " ± is the standard error of the plain steps' mean."
+        if self.hiccups:
+            basis += (f" {self.hiccups} round{'s' if self.hiccups > 1 else ''} held up by the machine (over "
+                      f"{HICCUP:.0f}× the usual time) count against both speeds alike.")
+        return basis
 
 
 def _figure(value: float | None, digits: int) -> str:
@@ -160,7 +203,7 @@ def meter_html(turn: TurnMeter | None, running: bool = False) -> str:
         attributes = (
             f'data-method="{turn.method}" data-rounds="{turn.rounds}" data-tokens="{turn.tokens}" '
             f'data-tps="{turn.tokens_per_s or 0:.3f}" data-tau="{turn.tau or 0:.3f}" data-speedup="{speedup or 0:.3f}" '
-            f'data-plain-tps="{turn.plain.per_s or 0:.3f}" data-plain-steps="{turn.plain.steps}" '
+            f'data-plain-tps="{turn.plain_per_s or 0:.3f}" data-plain-steps="{turn.plain.steps}" '
             f'data-speedup-error="{turn.speedup_error or 0:.3f}" '
             f'data-finish="{turn.finish_reason or ""}"'
         )
@@ -186,7 +229,8 @@ def turn_log_line(turn: TurnMeter) -> str:
     if turn.speedup_error is not None:
         speedup += f" ± {100 * turn.speedup_error:.0f} %"
     return (f"turn: {turn.method}, {turn.tokens} tokens in {turn.rounds} rounds, {_figure(turn.tokens_per_s, 1)} tok/s, "
-            f"tau {_figure(turn.tau, 2)}, plain {_figure(turn.plain.per_s, 1)} tok/s over {turn.plain.steps} steps, "
+            f"tau {_figure(turn.tau, 2)}, plain {_figure(turn.plain_per_s, 1)} tok/s over {turn.plain.steps} steps, "
+            f"{turn.hiccups} held up, "
             f"shown {speedup}, prefill {turn.prefill_s * 1000:.0f} ms, {turn.finish_reason or 'stopped'}")
 
 

@@ -92,7 +92,7 @@ def test_the_meter_baseline_is_timed_in_the_answer_itself(engine, service):
     assert plain.speedup == 1.0
     *_, (_, turn) = service.stream(ids, DecodeParams(method="eagle", max_new_tokens=40, plain_every=4))
     assert turn.plain.steps >= 2 and turn.speculative.steps > turn.plain.steps
-    assert turn.speedup == pytest.approx(turn.tokens_per_s / turn.plain.per_s)
+    assert turn.speedup == pytest.approx(turn.tokens_per_s / turn.plain_per_s)
 
 
 def test_every_engine_step_runs_on_the_one_engine_thread(engine, service):
