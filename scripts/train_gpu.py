@@ -51,7 +51,8 @@ CALL_MIB = 64  # what one device call takes, this checkout included
 RETURN_MIB = 15  # under the 16 MiB a returned file may hold
 # The committed self-distilled records (README, "How the shipped head was trained", step 9 on): left out of the
 # prompts, trained on beside the new replies; the first file's every 40th record is the validation set.
-COMMITTED = tuple(ROOT / "data" / "selfdistill" / name for name in ("smollm2-int8-2000.npz", "smollm2-int8-turns.npz"))
+COMMITTED = tuple(ROOT / "data" / "selfdistill" / name for name in ("smollm2-int8-2000.npz", "smollm2-int8-turns.npz",
+                                                                   "smollm2-int8-turns-2.npz"))
 BASE_NAME = "base.gguf"
 PROMPTS = "prompts.npz"
 MANIFEST = "manifest.json"
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"head in {args.out}" + (f", {report['replies']} records in {args.data}" if args.data else ""))
     else:
         packed, returned = args.out / "pack", args.out / "returned"
-        pack(packed, base, SMOKE_PROMPTS, 256, 24, wheels=False)
+        pack(packed, base, SMOKE_PROMPTS, 256, 16, wheels=False)
         run([packed], returned, SMOKE, "cpu", args.out / "work")
         unpack(returned, args.out / "head", args.out / "data.npz")
         print(f"smoke run done: head in {args.out / 'head'}, data in {args.out / 'data.npz'}")
