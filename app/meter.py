@@ -58,7 +58,8 @@ class Rate:
         return [typical[g] if t > HICCUP * typical[g] else t for t, g in zip(self.times, self.groups)]
 
     def hiccup_seconds(self) -> float:
-        return self.seconds - sum(self.steady_times())
+        """The hiccups' excess over their medians: exactly 0 when there is none."""
+        return sum(t - steady for t, steady in zip(self.times, self.steady_times()))
 
 
 def relative_error(times: list[float]) -> float | None:
