@@ -70,7 +70,7 @@ def plot(out: Path) -> None:
     for label, offset, points in VALIDATION:
         ax.plot([millions(offset + s) for s, _ in points], [t for _, t in points], "o-", ms=3.5, lw=1.2,
                 label=f"validation: {label}")
-    for (tree, points), marker in zip(MT_BENCH, "s^DvPX"):
+    for (tree, points), marker in zip(MT_BENCH, "s^DvPX", strict=True):
         ax.plot([millions(s) for s, _ in points], [t for _, t in points], marker, ms=7, mfc="none", mew=1.6,
                 color="black", label=f"MT-bench τ, tree {tree}")
     trend = MT_BENCH[TREND][1]
