@@ -330,7 +330,7 @@ class Trainer:
         while self.step < stop:
             if self.step - start_step == 1:
                 timed = time.time()  # the rate leaves out the first step, which pays for start-up (a GPU's most)
-            if time_limit_s is not None and self.step - start_step == 1 + min(10, self.config.warmup):
+            if time_limit_s is not None and self.step - start_step == 1 + self._timed_steps():
                 stop = self._fit_schedule_to_time(timed, started, time_limit_s, stop, self.step - start_step - 1)
                 bar.total = stop
             loss = self.train_step()
@@ -350,6 +350,12 @@ class Trainer:
         return {"resumed": resumed, "steps": self.step, "total_steps": self.total_steps,
                 "steps_this_run": self.step - start_step, "seconds": time.time() - started,
                 "train_loss": running, "validation": final, "config": asdict(self.config)}
+
+    def _timed_steps(self) -> int:
+        """Steps timed before the schedule is fitted to a time budget: the warm-up (10-200 steps), whose learning rate
+        does not depend on the schedule's length, so the fit moves no step's rate; 10 steps misjudged a CPU run's pace
+        by a third, its batches' costs varying."""
+        return min(200, max(10, self.config.warmup))
 
     def _fit_schedule_to_time(self, timed: float, started: float, time_limit_s: float, stop: int, steps: int) -> int:
         """Shorten the cosine schedule to the steps the time budget allows, at the rate of the `steps` since `timed`."""
