@@ -151,15 +151,16 @@ def test_a_time_budget_fits_the_schedule_once_the_warm_up_is_timed_and_ends_in_i
     model = rule_model()
     config = FitConfig(ttt_steps=2, lr=1e-3, epochs=10_000, batch_tokens=120, warmup=30, save_every=0, eval_every=0)
     trainer = make_trainer(model, rule_records(12, length=16), tmp_path, config)
-    planned, rates = trainer.total_steps, []
+    planned, lengths = trainer.total_steps, []  # (step, the schedule's length when it ran)
     step = trainer.train_step
-    trainer.train_step = lambda: (rates.append((trainer.step, trainer.total_steps)), step())[1]
+    trainer.train_step = lambda: (lengths.append((trainer.step, trainer.total_steps)), step())[1]
     summary = trainer.fit(time_limit_s=6.0)
     assert summary["seconds"] < 8.0 and config.warmup < summary["steps"]
     # the schedule's length stayed as planned through the warm-up (whose rates do not depend on it) and was then
     # cut to what the budget affords, once
-    assert {total for at, total in rates if at <= config.warmup} == {planned}
-    assert {total for at, total in rates if at > config.warmup} == {summary["total_steps"]} and summary["total_steps"] < planned
+    assert {total for at, total in lengths if at <= config.warmup} == {planned}
+    assert {total for at, total in lengths if at > config.warmup} == {summary["total_steps"]}
+    assert summary["total_steps"] < planned
     # fitted to the pace of the whole warm-up, the cosine has decayed most of the way when time runs out
     assert trainer.scheduler.get_last_lr()[0] < 0.5 * config.lr
 

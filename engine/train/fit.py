@@ -353,8 +353,8 @@ class Trainer:
 
     def _timed_steps(self) -> int:
         """Steps timed before the schedule is fitted to a time budget: the warm-up (10-200 steps), whose learning rate
-        does not depend on the schedule's length, so the fit moves no step's rate; 10 steps misjudged a CPU run's pace
-        by a third, its batches' costs varying."""
+        does not depend on the schedule's length, so the fit moves no step's rate, and long enough to average over
+        batches of unequal cost."""
         return min(200, max(10, self.config.warmup))
 
     def _fit_schedule_to_time(self, timed: float, started: float, time_limit_s: float, stop: int, steps: int) -> int:
