@@ -18,7 +18,7 @@ from engine.quant import KERNELS, KERNELS_HELP
 
 from app.api import Access, Api, model_ids, serve
 from app.chat import ChatService, EngineThread
-from app.ui import CSS, build_demo
+from app.ui import CSS, build_demo, poll_queue_gently
 
 
 
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     demo = build_demo(service, args.max_new_tokens)
     freeze_heap()  # gradio's objects too: no full collection over them mid-answer
     demo.queue(max_size=64)
+    poll_queue_gently(demo)
     demo.launch(
         server_name=args.host, server_port=args.port, share=args.share, auth=args.auth, css_paths=[CSS],
         footer_links=["gradio", "settings"], app_kwargs={"routes": api.routes()},  # /v1 first, then Gradio's

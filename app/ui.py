@@ -24,6 +24,9 @@ EMPTY_HINT = "Type a message first: an empty message is not sent."
 BUSY_HINT = "An answer is still being written: wait for it or press Stop."
 STOP_WAIT_S = 60  # the longest a round can take to finish after Stop, on a slow machine
 UPDATE_EVERY_S = 0.5  # page updates while an answer streams; more often costs the decoder (README, "Streaming")
+# Gradio's queue looks for new events every 1 ms off Windows (every 50 ms there), and for progress every 10 ms:
+# over a thousand wake-ups a second, each taking the GIL and a core from the decoder's threads (README, "Streaming").
+QUEUE_POLL_S = 0.05
 # No progress display: even "minimal" redraws its elapsed-time counter every animation frame while an answer
 # streams, and on two cores the browser's work is taken from the decoder (README, "Streaming").
 ENGINE_EVENTS = dict(concurrency_id="engine", concurrency_limit=1, show_progress="hidden")
@@ -335,6 +338,13 @@ def _wire_compare(handlers: Handlers, compare: CompareTab, side: SidePanel) -> N
     comparisons = [trigger(handlers.compare, inputs_kwargs=inputs, outputs=outputs, **ENGINE_EVENTS)
                    for trigger in (compare.prompt.submit, compare.button.click)]
     compare.stop.click(None, None, None, cancels=comparisons)
+
+
+def poll_queue_gently(demo: gr.Blocks) -> None:
+    """Make the queue of `demo` (after demo.queue()) look for work every QUEUE_POLL_S, as Gradio does on Windows: a
+    new event may wait that long to start, a wait nobody sees, and the decoder keeps its cores."""
+    demo._queue.sleep_when_free = QUEUE_POLL_S
+    demo._queue.progress_update_sleep_when_free = QUEUE_POLL_S
 
 
 def build_demo(service: ChatService, max_new_tokens: int = DecodeParams.max_new_tokens,

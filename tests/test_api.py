@@ -48,12 +48,17 @@ def start_server(*args: str, log: Path, key: str | None = None) -> tuple[subproc
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The app as users start it, UI and API on one port."""
+def served(tmp_path_factory) -> tuple[subprocess.Popen, str]:
+    """The app as users start it, UI and API on one port: its process and its URL."""
     assert DEFAULT_HEAD.is_dir(), f"the shipped head {DEFAULT_HEAD} is missing: the default app has no EAGLE"
     process, url = start_server("--max-new-tokens", str(LONG), log=tmp_path_factory.mktemp("api") / "app.log")
-    yield url
+    yield process, url
     stop_app(process)
+
+
+@pytest.fixture(scope="module")
+def server(served) -> str:
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +80,29 @@ def ids(client) -> dict[str, str]:
 
 def expected(engine: Engine, messages: list[dict], tokens: int, **options) -> str:
     return engine.chat_text(messages, DecodeParams(method="eagle", max_new_tokens=tokens), **options)
+
+
+def wakeups(pid: int) -> int:
+    """Times the threads of process `pid` went to sleep and were woken since they started (Linux /proc)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        total += int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts wake-ups in Linux /proc")
+def test_an_idle_server_leaves_the_cores_to_the_decoder(served):
+    """Each wake-up of a server thread takes the GIL and a core from the decoder's threads for a moment; Gradio's
+    queue alone used to poll a thousand times a second, answers or not (app.ui.poll_queue_gently)."""
+    process, url = served
+    deadline = time.monotonic() + 60
+    while engine_status(url)["active"] and time.monotonic() < deadline:  # an earlier test's answer winding down
+        time.sleep(0.5)
+    before, start = wakeups(process.pid), time.monotonic()
+    time.sleep(3)
+    per_s = (wakeups(process.pid) - before) / (time.monotonic() - start)
+    assert per_s < 200, f"the idle app's threads woke {per_s:.0f} times a second"
 
 
 def test_models_name_the_base_model_and_head_beside_the_ui(server, ids):

@@ -10,8 +10,8 @@ import pytest
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install -r requirements-dev.txt")
 from scripts.browser import (  # noqa: E402
-    CHROMIUM, answered, choose_method, last_answer_text, launch_chromium, meter, open_app, send, set_number, start_app,
-    stop_app, wait_for_answer,
+    CHROMIUM, answer_afresh, answered, choose_method, last_answer_text, launch_chromium, meter, open_app, send,
+    set_number, start_app, stop_app, wait_for_answer,
 )
 
 from app.ui import EMPTY_HINT  # noqa: E402
@@ -101,12 +101,8 @@ def test_the_meter_compares_against_plain_decoding_timed_in_the_same_answer(page
     figures = {"plain": [], "eagle": []}
     for _ in range(MEASURED_PAIRS):
         for label, method in (("Plain decoding", "plain"), ("EAGLE", "eagle")):
-            page.click("#clear")
-            page.wait_for_function("() => document.querySelectorAll('#chat div.eagle-msg').length === 0",
-                                   timeout=30_000)
-            choose_method(page, label)
-            wait_for_answer(page, send(page, "Explain how a bicycle works, step by step."), timeout_s=300)
-            figures[method].append({key: float(meter(page)[key]) for key in ("tps", "speedup", "plainTps")})
+            shown = answer_afresh(page, label, "Explain how a bicycle works, step by step.")
+            figures[method].append({key: float(shown[key]) for key in ("tps", "speedup", "plainTps")})
             if method == "plain":
                 assert "1.00×" in page.locator("#meter").inner_text()
     print(f"meter: {figures}")
