@@ -86,7 +86,10 @@ def wakeups(pid: int) -> int:
     """Times the threads of process `pid` went to sleep and were woken since they started (Linux /proc)."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
-        status = (task / "status").read_text()
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
         total += int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
     return total
 
