@@ -10,6 +10,7 @@ from engine import DecodeParams, Engine
 from engine.tools.bench import METHODS, exactness_exempt, main
 from engine.tools.report import exactness_warnings, print_table, summarize
 from engine.tools.runs import Run
+from engine.tools import tune_tree
 from engine.tools.tune_tree import tree_grid
 from engine.tree import DynamicTree
 from engine.draft.checkpoint import new_head, save_head
@@ -262,3 +263,13 @@ def test_tune_tree_grid_holds_every_setting_that_can_fill_its_budget():
     assert DynamicTree(6, 5, 1, 0.2) in grid and DynamicTree(2, 1, 2, 0.0) in grid
     assert DynamicTree(6, 1, 1, 0.0) not in grid, "5 drafts cannot fit in two levels of one child each"
     assert len(grid) == len(set(grid)) == 14
+
+
+def test_tune_tree_times_every_tree_with_every_context_policy(assets, capsys):
+    tune_tree.main(["--base", str(assets / "base"), "--head", str(assets / "head"), "--dtype", "float32",
+                    "--questions", str(assets / "questions.jsonl"), "--max-new-tokens", str(MAX_NEW),
+                    "--total-tokens", "2,3", "--depth", "1", "--draft-top-k", "2", "--min-match", "1,3"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    settings = {(row[0], row[4]) for row in rows}
+    assert settings == {("2", "1"), ("2", "3"), ("3", "1"), ("3", "3")}
+    assert all(row[-1] == f"{len(QUESTIONS)}/{len(QUESTIONS)}" for row in rows), "every answer is vanilla's"

@@ -138,8 +138,9 @@ def test_sampling_through_context_chains_draws_the_target_law(method):
     prompt = [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5]
     u = torch.Generator().manual_seed(0)
     pits, from_context = [], 0
+    chains = ContextDraft(min_match=1)  # sampled text rarely repeats 2 tokens: draft from every match, to test many
     for seed in range(40):
-        params = DecodeParams(method=method, max_new_tokens=24, sampling=sampling, seed=seed)
+        params = DecodeParams(method=method, max_new_tokens=24, sampling=sampling, seed=seed, context=chains)
         steps = list(engine.generate(prompt, params))
         from_context += sum(sum(s.from_context) for s in steps)
         tokens = tokens_of(steps)

@@ -10,6 +10,7 @@ import argparse
 import itertools
 
 from ..engine import Engine
+from ..context import ContextDraft
 from ..params import DecodeParams
 from ..progress import progress_bar
 from ..quant import KERNELS, KERNELS_HELP
@@ -31,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--depth", default="3,4,5,6")
     parser.add_argument("--draft-top-k", default="4,8")
     parser.add_argument("--min-prob", default="0", help="comma-separated values to try (0: no threshold)")
+    parser.add_argument("--min-match", default=str(ContextDraft.min_match),
+                        help="comma-separated values to try: the shortest match of the context that drafts a chain")
     return parser.parse_args(argv)
 
 
@@ -48,9 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     questions = load_questions(args.questions, args.limit)
     prompts, categories = first_turn_prompts(engine, questions), [q["category"] for q in questions]
     plain = DecodeParams(method="vanilla", max_new_tokens=args.max_new_tokens)
-    settings = {"vanilla": plain} | {tree: DecodeParams(max_new_tokens=args.max_new_tokens, tree=tree)
-                                     for tree in tree_grid(args.total_tokens, args.depth, args.draft_top_k,
-                                                           args.min_prob)}
+    trees = tree_grid(args.total_tokens, args.depth, args.draft_top_k, args.min_prob)
+    contexts = [ContextDraft(min_match=int(m)) for m in args.min_match.split(",")]
+    settings = {"vanilla": plain} | {
+        (tree, context): DecodeParams(max_new_tokens=args.max_new_tokens, tree=tree, context=context)
+        for tree, context in itertools.product(trees, contexts)}
     run_engine(engine, prompts[0], DecodeParams(max_new_tokens=8))  # warm-up
     runs = {key: [] for key in settings}
     with progress_bar(total=len(prompts) * len(runs), desc="tune") as bar:
@@ -61,10 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     plain_runs = runs.pop("vanilla")
     vanilla = summarize(plain_runs, None, categories)
     print(f"vanilla: {vanilla['tokens_per_s']:.2f} tok/s")
-    print("total_tokens depth draft_top_k min_prob   tok/s  x vanilla   tau  draft ms  verify ms  = vanilla")
-    rows = [(summarize(r, plain_runs, categories), tree) for tree, r in runs.items()]
-    for s, tree in sorted(rows, key=lambda row: -row[0]["tokens_per_s"]):
-        print(f"{tree.total_tokens:12d} {tree.depth:5d} {tree.top_k:11d} {tree.min_prob:8.2f} {s['tokens_per_s']:7.2f} "
+    print("total_tokens depth draft_top_k min_prob min_match   tok/s  x vanilla   tau  draft ms  verify ms  = vanilla")
+    rows = [(summarize(r, plain_runs, categories), *key) for key, r in runs.items()]
+    for s, tree, context in sorted(rows, key=lambda row: -row[0]["tokens_per_s"]):
+        print(f"{tree.total_tokens:12d} {tree.depth:5d} {tree.top_k:11d} {tree.min_prob:8.2f} {context.min_match:9d} "
+              f"{s['tokens_per_s']:7.2f} "
               f"{s['tokens_per_s'] / vanilla['tokens_per_s']:9.2f} {s['tau']:5.2f} {s['draft_ms']:9.1f} "
               f"{s['verify_ms']:10.1f}  {s['matches_vanilla']}/{len(prompts)}")
 
