@@ -11,7 +11,6 @@ from engine.tools.bench import METHODS, exactness_exempt, main
 from engine.tools.report import exactness_warnings, print_table, summarize
 from engine.tools.runs import Run
 from engine.tools import tune_tree
-from engine.tools.tune_tree import tree_grid
 from engine.tree import DynamicTree
 from engine.draft.checkpoint import new_head, save_head
 from engine.models import auto_dtype, load_tokenizer
@@ -259,7 +258,7 @@ def test_hf_runs_transformers_own_layers_whatever_the_engines_kernels(kernels, t
 
 
 def test_tune_tree_grid_holds_every_setting_that_can_fill_its_budget():
-    grid = tree_grid("2,6", "1,5", "1,2", "0,0.2")
+    grid = tune_tree.tree_grid("2,6", "1,5", "1,2", "0,0.2")
     assert DynamicTree(6, 5, 1, 0.2) in grid and DynamicTree(2, 1, 2, 0.0) in grid
     assert DynamicTree(6, 1, 1, 0.0) not in grid, "5 drafts cannot fit in two levels of one child each"
     assert len(grid) == len(set(grid)) == 14

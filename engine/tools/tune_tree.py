@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from ..engine import Engine
 from ..context import ContextDraft
+from ..engine import Engine
 from ..params import DecodeParams
 from ..progress import progress_bar
 from ..quant import KERNELS, KERNELS_HELP
@@ -70,9 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [(summarize(r, plain_runs, categories), *key) for key, r in runs.items()]
     for s, tree, context in sorted(rows, key=lambda row: -row[0]["tokens_per_s"]):
         print(f"{tree.total_tokens:12d} {tree.depth:5d} {tree.top_k:11d} {tree.min_prob:8.2f} {context.min_match:9d} "
-              f"{s['tokens_per_s']:7.2f} "
-              f"{s['tokens_per_s'] / vanilla['tokens_per_s']:9.2f} {s['tau']:5.2f} {s['draft_ms']:9.1f} "
-              f"{s['verify_ms']:10.1f}  {s['matches_vanilla']}/{len(prompts)}")
+              f"{s['tokens_per_s']:7.2f} {s['tokens_per_s'] / vanilla['tokens_per_s']:9.2f} {s['tau']:5.2f} "
+              f"{s['draft_ms']:9.1f} {s['verify_ms']:10.1f}  {s['matches_vanilla']}/{len(prompts)}")
 
 
 if __name__ == "__main__":
