@@ -1,5 +1,7 @@
-"""How fast the page decodes against the bench, for one prompt: plain and EAGLE answers taken in turn in the real
-app (`python app.py`, headless Chromium on the same machine), then the bench on that prompt once the app is gone.
+"""How fast the page decodes against the bench, for one prompt: a plain and an EAGLE answer in the real app
+(`python app.py`, headless Chromium on the same machine), then the bench on that prompt with the browser closed,
+and again for each pair. Taking the two in turn compares them at the same hour: within minutes, this machine's
+speed drifts by more than the gap being measured.
 
     python scripts/page_vs_bench.py [--max-new-tokens 512] [--pairs 3] [--prompt TEXT]
 
@@ -16,7 +18,7 @@ import tempfile
 from pathlib import Path
 from statistics import mean
 
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import Playwright, sync_playwright
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.browser import (  # noqa: E402
@@ -27,20 +29,15 @@ PROMPT = "Explain how a bicycle works, step by step."
 METHODS = {"vanilla": "Plain decoding", "eagle": "EAGLE"}  # bench method: the page's label for it
 
 
-def page_speeds(prompt: str, max_new_tokens: int, pairs: int, folder: Path) -> dict[str, list[float]]:
-    """The meter's tokens/s for each answer, by bench method name."""
-    process, url = start_app("--max-new-tokens", str(max_new_tokens), log=folder / "app.log")
+def page_speeds(playwright: Playwright, url: str, prompt: str, max_new_tokens: int) -> dict[str, float]:
+    """The meter's tokens/s for one answer by each method, in a browser opened for them and closed after."""
+    browser = launch_chromium(playwright)
     try:
-        with sync_playwright() as playwright:
-            page = open_app(launch_chromium(playwright), url)
-            set_number(page, "max-new-tokens", max_new_tokens)
-            speeds: dict[str, list[float]] = {method: [] for method in METHODS}
-            for _ in range(pairs):
-                for method, label in METHODS.items():
-                    speeds[method].append(float(answer_afresh(page, label, prompt)["tps"]))
-            return speeds
+        page = open_app(browser, url)
+        set_number(page, "max-new-tokens", max_new_tokens)
+        return {method: float(answer_afresh(page, label, prompt)["tps"]) for method, label in METHODS.items()}
     finally:
-        stop_app(process)
+        browser.close()
 
 
 def bench_speeds(prompt: str, max_new_tokens: int, folder: Path) -> dict[str, float]:
@@ -54,19 +51,33 @@ def bench_speeds(prompt: str, max_new_tokens: int, folder: Path) -> dict[str, fl
     return {method: summary[method]["tokens_per_s"] for method in METHODS}
 
 
+def measure(prompt: str, max_new_tokens: int, pairs: int, folder: Path) -> list[dict[str, tuple[float, float]]]:
+    """For each pair, by method: (page tokens/s, bench tokens/s). The app waits idle while the bench runs."""
+    process, url = start_app("--max-new-tokens", str(max_new_tokens), log=folder / "app.log")
+    try:
+        with sync_playwright() as playwright:
+            rows = []
+            for _ in range(pairs):
+                page = page_speeds(playwright, url, prompt, max_new_tokens)
+                bench = bench_speeds(prompt, max_new_tokens, folder)
+                rows.append({method: (page[method], bench[method]) for method in METHODS})
+            return rows
+    finally:
+        stop_app(process)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--pairs", type=int, default=3, help="plain and EAGLE answers taken in turn, this many each")
     parser.add_argument("--prompt", default=PROMPT)
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp())
-    page = page_speeds(args.prompt, args.max_new_tokens, args.pairs, folder)
-    bench = bench_speeds(args.prompt, args.max_new_tokens, folder)
-    print(f"{'method':8} {'page tok/s (each answer)':>32} {'mean':>7} {'bench':>7} {'page/bench':>10}")
+    rows = measure(args.prompt, args.max_new_tokens, args.pairs, Path(tempfile.mkdtemp()))
+    print(f"{'method':8} {'page / bench tok/s, each pair':>44} {'page':>7} {'bench':>7} {'page/bench':>10}")
     for method in METHODS:
-        each, shown = " / ".join(f"{speed:.1f}" for speed in page[method]), mean(page[method])
-        print(f"{method:8} {each:>32} {shown:7.1f} {bench[method]:7.1f} {shown / bench[method]:10.0%}")
+        each = "  ".join(f"{row[method][0]:.1f}/{row[method][1]:.1f}" for row in rows)
+        page, bench = (mean(row[method][i] for row in rows) for i in (0, 1))
+        print(f"{method:8} {each:>44} {page:7.1f} {bench:7.1f} {page / bench:10.0%}")
 
 
 if __name__ == "__main__":
