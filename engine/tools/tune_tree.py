@@ -15,6 +15,7 @@ from ..params import DecodeParams
 from ..progress import progress_bar
 from ..quant import KERNELS, KERNELS_HELP
 from ..tree import DynamicTree
+from .bench import parse_sizes
 from .report import summarize
 from .runs import SHARED_QUESTIONS, first_turn_prompts, load_questions, run_engine
 
@@ -47,12 +48,13 @@ def tree_grid(total_tokens: str, depth: str, top_k: str, min_prob: str) -> list[
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    min_matches = parse_sizes(args.min_match, "--min-match", "match lengths such as 1,2")
     engine = Engine.load(args.base, args.head, dtype=args.dtype, kernels=args.kernels)
     questions = load_questions(args.questions, args.limit)
     prompts, categories = first_turn_prompts(engine, questions), [q["category"] for q in questions]
     plain = DecodeParams(method="vanilla", max_new_tokens=args.max_new_tokens)
     trees = tree_grid(args.total_tokens, args.depth, args.draft_top_k, args.min_prob)
-    contexts = [ContextDraft(min_match=int(m)) for m in args.min_match.split(",")]
+    contexts = [ContextDraft(min_match=m) for m in min_matches]
     settings = {"vanilla": plain} | {
         (tree, context): DecodeParams(max_new_tokens=args.max_new_tokens, tree=tree, context=context)
         for tree, context in itertools.product(trees, contexts)}
