@@ -6,8 +6,15 @@ round grew with the context. Here each layer writes new positions into a preallo
 view of its first `length` positions; keep_path moves the accepted nodes down in place and shortens the length.
 Both cost in proportion to the tokens they touch. A buffer that fills up is replaced by one half as large again
 (copied once), so a chat can outgrow any first allocation.
+
+Buffers may keep another dtype than the model computes in (`kv_dtype`): a GGUF base on the CPU's grouped kernels
+keeps float16, as llama.cpp keeps its cache (engine.quant.kv_dtype), since over a long context reading the cache is
+most of what a step spends (README, "A float16 KV cache"). Every write rounds the same way (torch's float16
+rounding) and attention widens what it reads exactly, so plain decoding and tree verification see the same keys.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers import Cache
@@ -38,9 +45,11 @@ class GrowingLayer(DynamicLayer):
     keys = _cached("_keys")
     values = _cached("_values")
 
-    def __init__(self, **kwargs):
+    def __init__(self, kv_dtype: torch.dtype | None = None, **kwargs):
+        """kv_dtype: the buffers' dtype; None: the dtype of the first keys written."""
         self._keys = self._values = None
         self.length = 0
+        self.kv_dtype = kv_dtype
         super().__init__(**kwargs)
 
     @property
@@ -48,8 +57,8 @@ class GrowingLayer(DynamicLayer):
         return 0 if self._keys is None else self._keys.shape[-2]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self._keys, self._values = key_states[..., :0, :], value_states[..., :0, :]
+        self.dtype, self.device = self.kv_dtype or key_states.dtype, key_states.device
+        self._keys, self._values = key_states[..., :0, :].to(self.dtype), value_states[..., :0, :].to(self.dtype)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, ...]:
@@ -91,8 +100,8 @@ class GrowingLayer(DynamicLayer):
 class GrowingCache(Cache):
     """A transformers Cache of GrowingLayers, one per decoder layer (created on first use), for unmodified HF models."""
 
-    def __init__(self):
-        super().__init__(layer_class_to_replicate=GrowingLayer)
+    def __init__(self, kv_dtype: torch.dtype | None = None):
+        super().__init__(layer_class_to_replicate=functools.partial(GrowingLayer, kv_dtype=kv_dtype))
 
 
 @torch.inference_mode()

@@ -127,7 +127,7 @@ def _stacked(projections: list[QuantLinear]) -> list[torch.Tensor]:
 def _layers(cache: GrowingCache, count: int) -> list[GrowingLayer]:
     """The cache's layers, created here on the first forward as transformers would create them."""
     while len(cache.layers) < count:
-        cache.layers.append(GrowingLayer())
+        cache.layers.append(cache.layer_class_to_replicate())
     return cache.layers
 
 

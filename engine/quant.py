@@ -22,6 +22,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import kernels
+from .attention import FIXED_ORDER
 from .gguf_tensors import BLOCK_BYTES, read_tensors
 from .models import _source, on_gpu
 
@@ -271,3 +272,11 @@ def _grouped_unusable(device: str, dtype: str, pack: bool, quantization: str) ->
     if dtype not in ("auto", "float32"):
         return f"the grouped kernels take float32 activations, not {dtype}"
     return kernels.unavailable_reason()
+
+
+def kv_dtype(model: PreTrainedModel) -> torch.dtype | None:
+    """The dtype of `model`'s KV cache: float16 for a model on the grouped kernels under the fixed-order attention (a
+    GGUF base, kept as llama.cpp keeps it: over a long context reading the cache is most of a step's memory traffic);
+    None, the model's own dtype, for any other (a float32 model then decodes as transformers decodes it)."""
+    grouped = any(isinstance(module, QuantLinear) for module in model.get_decoder().modules())
+    return torch.float16 if grouped and model.config._attn_implementation == FIXED_ORDER else None

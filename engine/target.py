@@ -7,6 +7,7 @@ from transformers import PreTrainedModel
 
 from .cache import GrowingCache
 from .fused import FusedLlama
+from .quant import kv_dtype
 
 
 class Target:
@@ -43,7 +44,7 @@ class Target:
         return hook
 
     def new_cache(self) -> GrowingCache:
-        return GrowingCache()
+        return GrowingCache(kv_dtype(self.model))
 
     @torch.inference_mode()
     def forward(

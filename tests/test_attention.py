@@ -121,6 +121,28 @@ def test_the_avx512_attention_gives_the_8_lane_paths_bits(heads, kv_heads, dim):
         torch.ops.eagle_cpu.set_wide(True)
 
 
+@NEEDS_KERNELS
+@pytest.mark.parametrize("wide", [True, False])
+def test_float16_keys_and_values_give_the_bits_of_their_float32_values(wide):
+    """The engine's KV cache keeps float16 (engine/cache.py): the kernel widens each key and value exactly, so it
+    attends as it would over float32 tensors holding the same rounded values, on either path, with or without mask."""
+    if wide and not torch.ops.eagle_cpu.set_wide(True):
+        pytest.skip("this CPU has no AVX-512 (avx512f and avx512dq)")
+    q, k, v = _qkv(rows=5, length=613, dtype=torch.float32)
+    k, v = k.half(), v.half()
+    visible = torch.rand(5, 613, generator=torch.Generator().manual_seed(3)) < 0.7
+    try:
+        torch.ops.eagle_cpu.set_wide(wide)
+        for mask in (None, _additive(visible, torch.float32)):
+            half, _ = fixed_order_attention(None, q, k, v, mask)
+            widened, _ = fixed_order_attention(None, q, k.float(), v.float(), mask)
+            assert torch.equal(half, widened)
+        with pytest.raises(RuntimeError, match="keys and values of one dtype"):
+            fixed_order_attention(None, q, k, v.float(), None)
+    finally:
+        torch.ops.eagle_cpu.set_wide(True)
+
+
 def _small_engine(dtype: torch.dtype, kernels: str) -> Engine:
     """Big enough for oneDNN's one-row kernel to round differently from its batched one (intermediate 1536)."""
     torch.manual_seed(0)

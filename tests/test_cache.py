@@ -3,7 +3,8 @@ neither a forward nor the compaction may copy the whole cache."""
 import pytest
 import torch
 
-from conftest import SHAPES, tiny_engine
+from conftest import SHAPES, IdsOnlyTokenizer, tiny_base, tiny_engine
+from engine import Engine, kernels
 from engine import cache as kv_cache
 from engine.cache import GrowingLayer, keep_path, truncate
 from engine.target import Target
@@ -107,3 +108,23 @@ def test_compacting_another_cache_is_refused():
     cache.update(*random_states(4, 0), layer_idx=0)
     with pytest.raises(TypeError, match="needs a GrowingCache"):
         keep_path(cache, 2, torch.tensor([0]))
+
+
+
+@pytest.mark.parametrize("kernel_choice,pack,cached", [
+    ("int8", True, torch.float16), ("q4", True, torch.float16), ("float", True, torch.float32),
+    ("float", False, torch.float32)])
+def test_the_grouped_kernels_keep_a_float16_cache(kernel_choice, pack, cached, prompt):
+    """On the grouped kernels the cache holds float16 (half the bytes a long context's steps read): the first
+    layer's keys are the model's float32 keys rounded once; float layers keep the model's dtype, as transformers."""
+    if pack and not kernels.available():
+        pytest.skip("engine/kernels unavailable: no fixed-order attention")
+    engine = Engine(tiny_base("llama-h64-l8-gqa"), IdsOnlyTokenizer(), pack=pack, kernels=kernel_choice)
+    cache = engine.target.new_cache()
+    engine.target.forward(torch.tensor(prompt), cache)
+    assert {layer.keys.dtype for layer in cache.layers} == {layer.values.dtype for layer in cache.layers} == {cached}
+    own = kv_cache.GrowingCache()  # the model's own dtype
+    engine.target.forward(torch.tensor(prompt), own)
+    assert own.layers[0].keys.dtype == torch.float32
+    assert torch.equal(cache.layers[0].keys, own.layers[0].keys.to(cached))
+    assert torch.equal(cache.layers[0].values, own.layers[0].values.to(cached))

@@ -17,7 +17,7 @@ import torch
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu.cpp")
 # No contraction the source does not ask for; OpenMP, or at::parallel_for runs every kernel on one thread.
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
 
 @functools.cache

@@ -13,7 +13,7 @@
 //  - attention: softmax(q.k * scale + mask) v per (row, head) over the keys the row sees, gathered in key order
 //    first, so masked keys between them (a tree's other branches) change nothing; the query heads that share a
 //    key/value head go through together, and so do the rows of a call (a tree's nodes), each key and value read
-//    from memory once for all of them.
+//    from memory once for all of them; keys and values float32 or float16 (widened exactly on load).
 // Then two whole forwards built from those and torch's own ops, in transformers' order (engine/fused.py): a q4
 // Llama's decoder (llama_forward) and an EAGLE-3 head's layer (eagle3_layer), without Python between their ops.
 #include <ATen/ATen.h>
@@ -546,16 +546,28 @@ WIDE __m512 exp_nonpositive_wide(__m512 x) {  // exp_nonpositive on 16 lanes, la
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+// Keys and values are float32 or float16 (the engine's KV cache, engine/cache.py): eight of them widened to float32
+// exactly, so a float16 cache gives the very bits of a float32 one holding the same rounded values.
+__m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+WIDE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+WIDE __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T>
 struct Heads {  // strided [B, H, L, D] views, D contiguous
-  const float* data;
+  const T* data;
   int64_t batch, head, pos;
-  const float* at(int64_t b, int64_t h, int64_t p) const { return data + b * batch + h * head + p * pos; }
+  const T* at(int64_t b, int64_t h, int64_t p) const { return data + b * batch + h * head + p * pos; }
 };
 
-Heads heads_of(const at::Tensor& t) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 4 && t.stride(3) == 1,
-              "attention takes float32 [B, heads, length, head_dim] tensors with a contiguous last dimension");
-  return {t.data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+template <typename T>
+Heads<T> heads_of(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == c10::CppTypeToScalarType<T>::value && t.dim() == 4 && t.stride(3) == 1,
+              "attention takes float32 queries and float32 or float16 keys and values [B, heads, length, head_dim] "
+              "with a contiguous last dimension");
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2)};
 }
 
 // The keys one query row sees, in key order, with their additive mask values: the same for every head of the row.
@@ -596,7 +608,7 @@ std::vector<Visible> visible_rows(const std::optional<at::Tensor>& mask, int64_t
 
 // Ask for `bytes` from p on into L1 ahead of use (one row of a call does, for the rows after it): keys and values
 // stream from memory faster than the hardware prefetcher alone fetches them.
-inline void prefetch(const float* p, int64_t bytes) {
+inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + c, _MM_HINT_T0);
 }
 
@@ -604,21 +616,21 @@ inline void prefetch(const float* p, int64_t bytes) {
 // share a key/value head, over `count` of a row's visible keys (four keys side by side: 4 Q independent FMA chains,
 // their hsums four at a time; the last count % 4 one at a time). A key's score is the same sequence whichever of
 // the two ways it takes, and which one depends only on its place among the row's visible keys.
-template <int Q>
-void score_keys(const Heads& k, int64_t b, int64_t g, int64_t dim, const int64_t* keys, const float* masks,
+template <int Q, typename T>
+void score_keys(const Heads<T>& k, int64_t b, int64_t g, int64_t dim, const int64_t* keys, const float* masks,
                 int64_t count, const float* const* queries, float scale, float* const* weights, bool fetch) {
   int64_t j = 0;
   for (; j + 4 <= count; j += 4) {
-    const float* key[4];
+    const T* key[4];
     for (int t = 0; t < 4; ++t) key[t] = k.at(b, g, keys[j + t]);
-    if (fetch && j + 32 < count) prefetch(k.at(b, g, keys[j + 32]), 4 * dim * 4);
+    if (fetch && j + 32 < count) prefetch(k.at(b, g, keys[j + 32]), 4 * dim * sizeof(T));
     __m256 acc[Q][4];
     for (int h = 0; h < Q; ++h)
       for (int t = 0; t < 4; ++t) acc[h][t] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8)
       for (int h = 0; h < Q; ++h) {
         const __m256 qv = _mm256_loadu_ps(queries[h] + d);
-        for (int t = 0; t < 4; ++t) acc[h][t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[t] + d), acc[h][t]);
+        for (int t = 0; t < 4; ++t) acc[h][t] = _mm256_fmadd_ps(qv, load8(key[t] + d), acc[h][t]);
       }
     const __m128 bias = _mm_loadu_ps(masks + j);
     for (int h = 0; h < Q; ++h) {
@@ -627,11 +639,11 @@ void score_keys(const Heads& k, int64_t b, int64_t g, int64_t dim, const int64_t
     }
   }
   for (; j < count; ++j) {
-    const float* key = k.at(b, g, keys[j]);
+    const T* key = k.at(b, g, keys[j]);
     for (int h = 0; h < Q; ++h) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t d = 0; d < dim; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(queries[h] + d), _mm256_loadu_ps(key + d), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(queries[h] + d), load8(key + d), acc);
       weights[h][j] = hsum(acc) * scale + masks[j];
     }
   }
@@ -639,23 +651,22 @@ void score_keys(const Heads& k, int64_t b, int64_t g, int64_t dim, const int64_t
 
 // score_keys on AVX-512, eight keys at a time: one 16-lane vector holds the 8-lane accumulators of keys t and t + 4
 // side by side, each making the very operations of the 8-lane path; the rest of the keys go to score_keys.
-template <int Q>
-WIDE void score_keys_wide(const Heads& k, int64_t b, int64_t g, int64_t dim, const int64_t* keys, const float* masks,
+template <int Q, typename T>
+WIDE void score_keys_wide(const Heads<T>& k, int64_t b, int64_t g, int64_t dim, const int64_t* keys, const float* masks,
                           int64_t count, const float* const* queries, float scale, float* const* weights,
                           bool fetch) {
   int64_t j = 0;
   for (; j + 8 <= count; j += 8) {
-    const float* key[8];
+    const T* key[8];
     for (int t = 0; t < 8; ++t) key[t] = k.at(b, g, keys[j + t]);
-    if (fetch && j + 32 < count) prefetch(k.at(b, g, keys[j + 32]), 8 * dim * 4);
+    if (fetch && j + 32 < count) prefetch(k.at(b, g, keys[j + 32]), 8 * dim * sizeof(T));
     __m512 acc[Q][4];
     for (int h = 0; h < Q; ++h)
       for (int t = 0; t < 4; ++t) acc[h][t] = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8) {
       __m512 pairs[4];
       for (int t = 0; t < 4; ++t)
-        pairs[t] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(key[t] + d)),
-                                      _mm256_loadu_ps(key[t + 4] + d), 1);
+        pairs[t] = _mm512_insertf32x8(_mm512_castps256_ps512(load8(key[t] + d)), load8(key[t + 4] + d), 1);
       for (int h = 0; h < Q; ++h) {
         const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(queries[h] + d));
         for (int t = 0; t < 4; ++t) acc[h][t] = _mm512_fmadd_ps(qv, pairs[t], acc[h][t]);
@@ -674,7 +685,7 @@ WIDE void score_keys_wide(const Heads& k, int64_t b, int64_t g, int64_t dim, con
   }
   float* rest[3];
   for (int h = 0; h < Q; ++h) rest[h] = weights[h] + j;
-  score_keys<Q>(k, b, g, dim, keys + j, masks + j, count - j, queries, scale, rest, fetch);
+  score_keys<Q, T>(k, b, g, dim, keys + j, masks + j, count - j, queries, scale, rest, fetch);
 }
 
 // exp(score - most) in place for keys from .. count of one query, its 8-lane blocks added to total in key order.
@@ -715,8 +726,8 @@ WIDE float exponentiate_wide(float* w, int64_t count) {  // the same on 16 lanes
 
 // Output dimensions d0 .. d0 + 8 WIDTH of Q query heads: the sum over the row's visible keys in order of weight *
 // value, then / the weights' sum (Q * WIDTH accumulators in registers).
-template <int Q, int WIDTH>
-void mix_values(const Heads& v, int64_t b, int64_t g, const Visible& seen, const float* const* weights,
+template <int Q, int WIDTH, typename T>
+void mix_values(const Heads<T>& v, int64_t b, int64_t g, const Visible& seen, const float* const* weights,
                 const float* totals, int64_t d0, float* const* outs, bool fetch) {
   const int64_t* keys = seen.keys.data();
   const int64_t count = seen.count();
@@ -724,10 +735,10 @@ void mix_values(const Heads& v, int64_t b, int64_t g, const Visible& seen, const
   for (int h = 0; h < Q; ++h)
     for (int x = 0; x < WIDTH; ++x) acc[h][x] = _mm256_setzero_ps();
   for (int64_t i = 0; i < count; ++i) {
-    const float* value = v.at(b, g, keys[i]) + d0;
-    if (fetch && i + 32 < count) prefetch(v.at(b, g, keys[i + 32]) + d0, 32 * WIDTH);
+    const T* value = v.at(b, g, keys[i]) + d0;
+    if (fetch && i + 32 < count) prefetch(v.at(b, g, keys[i + 32]) + d0, 8 * WIDTH * sizeof(T));
     for (int x = 0; x < WIDTH; ++x) {
-      const __m256 vx = _mm256_loadu_ps(value + 8 * x);
+      const __m256 vx = load8(value + 8 * x);
       for (int h = 0; h < Q; ++h) acc[h][x] = _mm256_fmadd_ps(_mm256_set1_ps(weights[h][i]), vx, acc[h][x]);
     }
   }
@@ -737,8 +748,8 @@ void mix_values(const Heads& v, int64_t b, int64_t g, const Visible& seen, const
 }
 
 // mix_values on AVX-512: 16 output dimensions a vector, each lane the same sequence (WIDTH even).
-template <int Q, int WIDTH>
-WIDE void mix_values_wide(const Heads& v, int64_t b, int64_t g, const Visible& seen, const float* const* weights,
+template <int Q, int WIDTH, typename T>
+WIDE void mix_values_wide(const Heads<T>& v, int64_t b, int64_t g, const Visible& seen, const float* const* weights,
                           const float* totals, int64_t d0, float* const* outs, bool fetch) {
   constexpr int VECTORS = WIDTH / 2;
   const int64_t* keys = seen.keys.data();
@@ -747,10 +758,10 @@ WIDE void mix_values_wide(const Heads& v, int64_t b, int64_t g, const Visible& s
   for (int h = 0; h < Q; ++h)
     for (int x = 0; x < VECTORS; ++x) acc[h][x] = _mm512_setzero_ps();
   for (int64_t i = 0; i < count; ++i) {
-    const float* value = v.at(b, g, keys[i]) + d0;
-    if (fetch && i + 32 < count) prefetch(v.at(b, g, keys[i + 32]) + d0, 32 * WIDTH);
+    const T* value = v.at(b, g, keys[i]) + d0;
+    if (fetch && i + 32 < count) prefetch(v.at(b, g, keys[i + 32]) + d0, 8 * WIDTH * sizeof(T));
     for (int x = 0; x < VECTORS; ++x) {
-      const __m512 vx = _mm512_loadu_ps(value + 16 * x);
+      const __m512 vx = load16(value + 16 * x);
       for (int h = 0; h < Q; ++h) acc[h][x] = _mm512_fmadd_ps(_mm512_set1_ps(weights[h][i]), vx, acc[h][x]);
     }
   }
@@ -773,8 +784,10 @@ void with_heads(int64_t n, F f) {
 // stretch or slice in turn, so a key or value the rows share is read from memory once for all of them (a tree's
 // nodes share the whole context). No pass changes any query's sequence of operations, so the bits stay a function
 // of the row's visible keys alone.
+template <typename T>
 struct Block {
-  const Heads &q, &k, &v;
+  const Heads<float>& q;
+  const Heads<T>&k, &v;
   const std::vector<Visible>& visible;
   int64_t rows, heads, kv_heads, dim;  // rows: of each batch entry, to find a flattened row's batch entry
   int64_t first, last;                 // flattened rows
@@ -824,8 +837,8 @@ struct Block {
             const float* masks = seen.bias.data() + from;
             with_heads(n, [&](auto q_heads) {
               constexpr int Q = decltype(q_heads)::value;
-              (wide ? score_keys_wide<Q> : score_keys<Q>)(k, b, g, dim, keys, masks, count, queries, scale, at,
-                                                         r == first);
+              (wide ? score_keys_wide<Q, T> : score_keys<Q, T>)(k, b, g, dim, keys, masks, count, queries, scale,
+                                                               at, r == first);
             });
           });
         }
@@ -860,8 +873,8 @@ struct Block {
             const int64_t b = r / rows;
             with_heads(n, [&](auto q_heads) {
               constexpr int Q = decltype(q_heads)::value;
-              (wide && WIDTH % 2 == 0 ? mix_values_wide<Q, WIDTH> : mix_values<Q, WIDTH>)(v, b, g, seen, ws, sums,
-                                                                                        d0, outs, r == first);
+              (wide && WIDTH % 2 == 0 ? mix_values_wide<Q, WIDTH, T> : mix_values<Q, WIDTH, T>)(
+                  v, b, g, seen, ws, sums, d0, outs, r == first);
             });
           });
       }
@@ -874,9 +887,11 @@ constexpr int64_t BLOCK_WEIGHTS = 1 << 19;    // floats of scores a block of row
 
 // query [B, H, M, D], key/value [B, Hkv, L, D] (views of a longer cache are fine), the visible keys of each
 // (batch, row) (visible_rows). Returns [B, M, H, D].
-at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                  const std::vector<Visible>& visible, double scale) {
-  const Heads q = heads_of(query), k = heads_of(key), v = heads_of(value);
+template <typename T>
+at::Tensor attend_as(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     const std::vector<Visible>& visible, double scale) {
+  const Heads<float> q = heads_of<float>(query);
+  const Heads<T> k = heads_of<T>(key), v = heads_of<T>(value);
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t kv_heads = key.size(1);
   TORCH_CHECK(dim % 8 == 0, "attention needs a head_dim divisible by 8, got ", dim);
@@ -891,15 +906,23 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tens
   const int64_t per_block = std::max<int64_t>(1, BLOCK_WEIGHTS / (heads * padded));
   for (int64_t first = 0; first < batch * rows; first += per_block) {
     const int64_t last = std::min(batch * rows, first + per_block);
-    Block block{q, k, v, visible, rows, heads, kv_heads, dim, first, last, static_cast<float>(scale),
+    Block<T> block{q, k, v, visible, rows, heads, kv_heads, dim, first, last, static_cast<float>(scale),
                 out.data_ptr<float>(), padded, std::unique_ptr<float[]>(new float[(last - first) * heads * padded]),
                 std::vector<float>((last - first) * heads)};
     block.score(STRETCH);
     block.softmax();
-    if (dim % 32 == 0) block.mix<4>();
-    else block.mix<1>();
+    if (dim % 32 == 0) block.template mix<4>();
+    else block.template mix<1>();
   }
   return out;
+}
+
+// attend_as for float32 or float16 keys and values (both of one dtype).
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  const std::vector<Visible>& visible, double scale) {
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), "attention: keys and values of one dtype");
+  return key.scalar_type() == at::kHalf ? attend_as<at::Half>(query, key, value, visible, scale)
+                                        : attend_as<float>(query, key, value, visible, scale);
 }
 
 // query [B, H, M, D], key/value [B, Hkv, L, D] (views of a longer cache are fine), mask additive float [Bm, 1, M, >=L]
@@ -989,7 +1012,8 @@ constexpr int64_t LAYER_TENSORS = 2 + 4 * 3;
 // so that every output has the very same bits, without Python between the ~40 ops of a layer.
 // embeddings [1, M, E]; cos, sin [1, M, head_dim]; mask as attention() takes it (absent: causal); weights: per
 // layer LAYER_TENSORS tensors (input norm, post-attention norm, then the groups of each matmul); caches: per
-// layer key and value buffers [1, Hkv, capacity, head_dim] with room for start + M positions, written at start.
+// layer key and value buffers [1, Hkv, capacity, head_dim] (float32 or float16) with room for start + M positions,
+// written at start.
 // Returns the final-norm hidden states [1, M, E], then the inputs of the layers listed in `capture`, in its order.
 std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                                       const std::optional<at::Tensor>& mask, at::TensorList weights,
@@ -1019,7 +1043,9 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
     const at::Tensor qkv = project(0, rms_norm(h, w[0], eps));  // each feature as q_proj, k_proj or v_proj gives it
     const int64_t kv = keys.size(1) * head_dim, qf = qkv.size(-1) - 2 * kv;
     const at::Tensor q = rotate(split_heads(qkv, 0, qf, head_dim), cos, sin);
-    rotate_into(split_heads(qkv, qf, kv, head_dim), cos, sin, keys.slice(2, start, end));
+    const at::Tensor new_keys = keys.slice(2, start, end), k = split_heads(qkv, qf, kv, head_dim);
+    if (keys.scalar_type() == at::kFloat) rotate_into(k, cos, sin, new_keys);
+    else new_keys.copy_(rotate(k, cos, sin));  // a float16 cache: rounded as torch rounds (engine/cache.py)
     values.slice(2, start, end).copy_(split_heads(qkv, qf + kv, kv, head_dim));
     const at::Tensor attended = attend(q, keys.slice(2, 0, end), values.slice(2, 0, end), visible, scale);
     add_into(h, project(1, attended.reshape({1, rows, -1})));

@@ -17,8 +17,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..cache import GrowingCache
 from ..draft.eagle3 import fused_layers
 from ..progress import progress_bar
+from ..quant import kv_dtype
 
 CHUNK = 64  # conversations per cache file
 
@@ -47,7 +49,9 @@ def target_features(model, input_ids: torch.Tensor, valid: torch.Tensor, layers:
                     with_top1: bool = True):
     """One base forward: (features or None, final-norm hidden, greedy next token or None), each [B, T, ...]."""
     device = next(model.parameters()).device
+    rounded = kv_dtype(model)  # a GGUF base on the grouped kernels: keys and values rounded as the engine caches them
     out = model.model(input_ids=input_ids.to(device), attention_mask=valid.long().to(device),
+                      past_key_values=GrowingCache(rounded) if rounded else None,
                       output_hidden_states=layers is not None)
     last = out.last_hidden_state
     top1 = model.get_output_embeddings()(last).argmax(-1) if with_top1 else None

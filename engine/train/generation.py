@@ -9,7 +9,8 @@ different lengths still gives each row its own tokens. What makes it fast:
 - float models: attention summed in float64 like engine.attention's, in products shaped for one-token rows: float64
   sums agree to ~1e-16 in any order, so the rows round to the same bits;
 - one KV cache allocated up front, a slot per row, each row written at its own position (no concatenation per
-  step); for float64 attention kept in float64, so keys are widened once, when written;
+  step); for float64 attention kept in float64, so keys are widened once, when written; on the grouped kernels in
+  float16, as the engine caches them (engine.quant.kv_dtype);
 - a row leaves the batch as soon as its reply ends, and its slot takes the next prompt (continuous batching);
   prompts enter shortest first, so the rows of a step need keys of similar length, and are prefilled in groups
   of similar length, so little of a prefill is padding;
@@ -28,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from ..engine import Engine
 from ..models import load_base
 from ..packed import bf16_native, pack_linears
-from ..quant import GROUPED, gguf_file, resolve_kernels
+from ..quant import GROUPED, gguf_file, kv_dtype, resolve_kernels
 from ..verify import Sampling
 
 FUSED_WIDE = "eagle_wide_fused"
@@ -119,7 +120,7 @@ class SlotCache(Cache):
         heads = config.num_key_value_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         wide = config._attn_implementation == FUSED_WIDE
-        dtype, device = torch.float64 if wide else model.dtype, model.device
+        dtype, device = torch.float64 if wide else kv_dtype(model) or model.dtype, model.device
         shape = (slots, heads, capacity, dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
