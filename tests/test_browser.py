@@ -154,7 +154,7 @@ def test_closing_the_tab_frees_the_engine(browser, app_url):
 
 
 def test_two_sessions_at_once_each_get_their_own_answer(browser, app_url):
-    questions = {"What is the capital of France?": "Paris", "What is the capital of Japan?": "Tokyo"}
+    questions = {"What is the capital of Germany?": "Berlin", "What is the capital of Japan?": "Tokyo"}
     pages = [open_app(browser, app_url) for _ in questions]
     for page in pages:
         set_number(page, "max-new-tokens", SHORT)
