@@ -21,6 +21,7 @@ class Target:
         self.lm_head = model.get_output_embeddings()
         self.config = model.config.get_text_config()
         self.max_context = getattr(self.config, "max_position_embeddings", None) or 2048
+        self.kv_dtype = kv_dtype(model)  # fixed once the engine has chosen kernels and attention, as `fused` is
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []
         self.set_feature_layers(feature_layers)
@@ -44,7 +45,7 @@ class Target:
         return hook
 
     def new_cache(self) -> GrowingCache:
-        return GrowingCache(kv_dtype(self.model))
+        return GrowingCache(self.kv_dtype)
 
     @torch.inference_mode()
     def forward(

@@ -110,7 +110,6 @@ def test_compacting_another_cache_is_refused():
         keep_path(cache, 2, torch.tensor([0]))
 
 
-
 @pytest.mark.parametrize("kernel_choice,pack,cached", [
     ("int8", True, torch.float16), ("q4", True, torch.float16), ("float", True, torch.float32),
     ("float", False, torch.float32)])
