@@ -146,8 +146,11 @@ def draft(drafter: Drafter | None, seq: Sequence, params: DecodeParams) -> Draft
 def verify(target: Target, tree: DraftTree, seq: Sequence) -> Verification:
     """Score every tree node in one base forward: each node sees the cached prefix, its ancestors and itself."""
     start = time.perf_counter()
-    visible = torch.cat([torch.ones(len(tree), seq.cached, dtype=torch.bool), tree.ancestor_mask()], dim=1)
-    hidden, features = target.forward(tree.tokens, seq.cache, seq.cached + tree.depths, visible)
+    if tree.is_chain:  # the forward's own causal mask and positions (the same keys, so the same bits), none built
+        hidden, features = target.forward(tree.tokens, seq.cache)
+    else:
+        visible = torch.cat([torch.ones(len(tree), seq.cached, dtype=torch.bool), tree.ancestor_mask()], dim=1)
+        hidden, features = target.forward(tree.tokens, seq.cache, seq.cached + tree.depths, visible)
     logits = target.logits(hidden)
     if logits.is_cuda:  # acceptance waits for the GPU anyway; waiting here makes the time the forward's own
         torch.cuda.synchronize(logits.device)

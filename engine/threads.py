@@ -51,11 +51,11 @@ class ThreadGovernor:
 
     def update(self) -> int:
         """Re-read the load if a window has passed and set the thread count; returns the count in effect."""
-        if self._since is None:
+        if self._since is None or time.monotonic() - self._since[0] < self.window_s:  # /proc costs ~0.1 ms a read
             return torch.get_num_threads()
         now, times = time.monotonic(), _busy_seconds()
         started, total_then, mine_then = self._since
-        if now - started >= self.window_s and times is not None:
+        if times is not None:
             total, mine = times
             self.others = max(0.0, (total - total_then) - (mine - mine_then)) / (now - started)
             self._since = (now, total, mine)

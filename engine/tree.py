@@ -29,6 +29,7 @@ class DraftTree:
         for i, p in enumerate(self.parents.tolist()[1:], start=1):
             depths[i] = depths[p] + 1
         self.depths = torch.tensor(depths, dtype=torch.long)
+        self.is_chain = depths == list(range(len(depths)))  # each node the child of the one before: causal
         if self.from_context is None:
             self.from_context = torch.zeros(len(self.tokens), dtype=torch.bool)
 
@@ -103,6 +104,12 @@ def grow_dynamic(
     device = root_hidden.device
     floor = math.log(min_prob) if min_prob > 0 else -math.inf
     logp = expander.log_probs(root_hidden[None])[0]
+    if total_tokens == 2:  # the best draft alone: nothing to grow or rank (the CPU default, every round)
+        best = int(logp.argmax())
+        if min_prob > 0 and float(logp[best]) < floor:
+            return DraftTree.bare(root)
+        return DraftTree(tokens=torch.tensor([root, int(expander.to_target(torch.tensor([best])))]),
+                         parents=torch.tensor([-1, 0]))
     scores, ids = logp.topk(top_k)
     all_tokens, all_scores = [expander.to_target(ids)], [scores]
     all_parents = [torch.zeros(top_k, dtype=torch.long, device=device)]  # candidate numbers; 0 = root

@@ -54,13 +54,20 @@ class Sampling:
     def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         """The next token from one row of logits: argmax, or a draw from the warped distribution."""
         if self.greedy:
-            return int(logits.argmax())
+            return greedy_tokens(logits)
         return int(torch.multinomial(self.probs(logits).cpu(), 1, generator=generator))
+
+
+def greedy_tokens(logits: torch.Tensor) -> int | list[int]:
+    """The argmax of logits [V] or of each row of [N, V], the first of equal maxima as torch's: on the CPU numpy's,
+    which takes ~3 us over 49 k logits where torch's takes ~70 (a plain step is ~4 ms)."""
+    best = logits.numpy().argmax(-1) if logits.device.type == "cpu" else logits.argmax(-1)
+    return best.tolist()
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
     """Longest path of drafts equal to the base argmax. Returns node indices (root first) and the bonus token."""
-    best = logits.argmax(dim=-1).tolist()
+    best = greedy_tokens(logits)
     tokens, kids = tree.tokens.tolist(), tree.children()
     path = [0]
     while True:

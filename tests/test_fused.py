@@ -6,7 +6,9 @@ import torch
 
 from engine import Engine, kernels
 from engine.fused import FusedEagle3, why_not_fused
+from engine.generate import Sequence, verify
 from engine.target import Target
+from engine.tree import DraftTree
 from tests.conftest import VOCAB, IdsOnlyTokenizer, random_head, tiny_base
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="engine/kernels unavailable")
@@ -74,3 +76,23 @@ def test_the_eagle3_heads_layer_fused_gives_its_modules_bits(kernels):
                 for run, (out, kv) in zip((head, fused), committed)]
     for (theirs, [their_kv]), (ours, [our_kv]) in (committed, expanded):
         assert torch.equal(ours, theirs) and all(map(torch.equal, our_kv, their_kv))
+
+
+@pytest.mark.parametrize("kernels", ["float", "int8"])
+def test_a_chain_verified_causally_gives_the_bits_of_its_tree_mask(kernels, prompt):
+    """verify() scores a chain (each node the child of the one before, as every tree of the CPU default is) with the
+    forward's own causal mask and positions: its rows see the very keys the tree's mask shows them, so they come out
+    with the same bits, on the fused int8 forward and on transformers' (float32, the fixed-order attention)."""
+    engine = Engine(tiny_base("llama-h64-l8-gqa"), IdsOnlyTokenizer(), pack=True, kernels=kernels)
+    assert (engine.target.fused is not None) == (kernels == "int8")
+    chain = DraftTree(torch.tensor([3, 7, 8]), torch.tensor([-1, 0, 1]))
+    assert chain.is_chain and not DraftTree(torch.tensor([3, 7, 8]), torch.tensor([-1, 0, 0])).is_chain
+    scored = []
+    for causal in (True, False):
+        seq = Sequence(len(prompt), engine.target.new_cache(), produced=1)
+        engine.target.forward(torch.tensor(prompt), seq.cache)
+        chain.is_chain = causal  # False: the tree path, its mask and positions built
+        verification = verify(engine.target, chain, seq)
+        scored.append((verification.logits, verification.features, seq.cache.layers[0].keys))
+    for ours, theirs in zip(*scored):
+        assert torch.equal(ours, theirs)

@@ -140,6 +140,22 @@ def test_int8_layers_compute_llama_cpps_arithmetic_exactly(kind, sizes):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_int8_activations_round_halves_to_even_and_keep_zero_groups(kind):
+    """The edge cases of rounding the inputs (eight lanes at a time in the kernel): a group whose largest magnitude
+    is 127 has d = 1, so x.5 inputs land exactly halfway and go to the even integer, as torch.round takes them; an
+    all-zero group has d = 0 and contributes nothing; a group of one sign and one of tiny values come out as the
+    reference's."""
+    groups = quantize(_weight(40, 4 * GROUP), kind)
+    layer = QuantLinear(groups, None, int8=True)
+    halves = torch.tensor([127.0, -127.0] + [v + 0.5 for v in range(-15, 15)])
+    x = torch.stack([
+        torch.cat([halves, torch.zeros(GROUP), torch.rand(GROUP) * 5, torch.randn(GROUP) * 1e-30]),
+        torch.cat([torch.zeros(GROUP), -halves, torch.full((GROUP,), 3.0), torch.randn(GROUP)]),
+    ])
+    assert torch.equal(layer(x), int8_reference(x, groups, None))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("int8", [False, True], ids=["q4", "int8"])
 @pytest.mark.parametrize("sizes", [(576, 1536), (1536, 576), (96, 45)])
 def test_rows_do_not_depend_on_how_many_rows_go_through_together(kind, int8, sizes):

@@ -172,7 +172,7 @@ class PathHead:
 
 
 @pytest.mark.parametrize("top_k,depth,total_tokens",
-                         [(1, 1, 2), (3, 2, 6), (4, 3, 10), (8, 5, 30), (5, 6, 200), (2, 7, 12), (3, 4, 4)])
+                         [(1, 1, 2), (3, 2, 2), (3, 2, 6), (4, 3, 10), (8, 5, 30), (5, 6, 200), (2, 7, 12), (3, 4, 4)])
 def test_dynamic_tree_is_eagle2s_best_scored_nodes(top_k, depth, total_tokens):
     for seed in range(3):
         head = PathHead(seed)
@@ -191,8 +191,8 @@ def test_dynamic_tree_is_eagle2s_best_scored_nodes(top_k, depth, total_tokens):
 
 
 @pytest.mark.parametrize("min_prob", [0.01, 0.05, 0.2, 0.6, 0.95])
-def test_min_prob_keeps_the_confident_best_nodes_and_grows_no_level_below_it(min_prob):
-    top_k, depth, total_tokens = 3, 4, 12
+@pytest.mark.parametrize("top_k,depth,total_tokens", [(3, 4, 12), (3, 2, 2)])
+def test_min_prob_keeps_the_confident_best_nodes_and_grows_no_level_below_it(min_prob, top_k, depth, total_tokens):
     grown = min(depth, total_tokens - 2)
     for seed in range(4):
         head = PathHead(seed)

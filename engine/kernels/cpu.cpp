@@ -307,21 +307,40 @@ struct Int8Rows {
   std::vector<int32_t> s;  // sum of a group's q
 };
 
+// Eight lanes at a time, with the scalar definition's every result: max|x| is exact in any order (a NaN lane keeps
+// the running max, as std::max(most, NaN) does), each q is x * inverse rounded in the current (nearest-even) mode and
+// truncated, its low byte stored as a cast keeps it, and the integer sum wraps alike in any order.
 Int8Rows quantize_rows(const float* x, int64_t rows, int64_t in) {
   const int64_t groups = rows * (in / GROUP);
   Int8Rows r;
   r.q.resize(rows * in), r.d.resize(groups), r.ds.resize(groups), r.s.resize(groups);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   for (int64_t i = 0; i < groups; ++i) {
     const float* xs = x + i * GROUP;
-    float most = 0.f;
-    for (int j = 0; j < GROUP; ++j) most = std::max(most, std::fabs(xs[j]));
-    const float d = most / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    for (int j = 0; j < GROUP; ++j) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(xs[j] * inverse));
-      r.q[i * GROUP + j] = static_cast<int8_t>(q);
-      sum += q;
+    __m256 v[GROUP / 8], top = _mm256_setzero_ps();
+    for (int k = 0; k < GROUP / 8; ++k) {
+      v[k] = _mm256_loadu_ps(xs + 8 * k);
+      top = _mm256_max_ps(_mm256_and_ps(v[k], magnitude), top);
     }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    const float most = *std::max_element(lanes, lanes + 8);
+    const float d = most / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
+    __m256i sums = _mm256_setzero_si256();
+    for (int k = 0; k < GROUP / 8; ++k) {
+      const __m256 scaled = _mm256_mul_ps(v[k], _mm256_set1_ps(inverse));
+      const __m256i q = _mm256_cvttps_epi32(_mm256_round_ps(scaled, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC));
+      sums = _mm256_add_epi32(sums, q);
+      const __m256i bytes = _mm256_shuffle_epi8(q, low_bytes);
+      const int32_t low = _mm256_extract_epi32(bytes, 0), high = _mm256_extract_epi32(bytes, 4);
+      std::memcpy(r.q.data() + i * GROUP + 8 * k, &low, 4);
+      std::memcpy(r.q.data() + i * GROUP + 8 * k + 4, &high, 4);
+    }
+    int32_t each[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(each), sums);
+    const int32_t sum = std::accumulate(each, each + 8, 0);
     r.d[i] = d, r.s[i] = sum, r.ds[i] = d * static_cast<float>(sum);
   }
   return r;
