@@ -1,6 +1,11 @@
 """engine.fused: a q4 Llama's decoder in one kernel call gives the very bits transformers' forward gives."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -96,3 +101,33 @@ def test_a_chain_verified_causally_gives_the_bits_of_its_tree_mask(kernels, prom
         scored.append((verification.logits, verification.features, seq.cache.layers[0].keys))
     for ours, theirs in zip(*scored):
         assert torch.equal(ours, theirs)
+
+
+RMS_NORM_CHECK = """
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from engine import kernels
+assert kernels.available()
+generator = torch.Generator().manual_seed(0)
+for width in (576, 1536, 64, 5, 17, 100, 3000, 20000, 70000):
+    norm = LlamaRMSNorm(width, eps=1e-5)
+    norm.weight.data = torch.randn(width, generator=generator)
+    for scale in (1e-3, 1.0, 1e4):
+        x = torch.randn(8, width, generator=generator) * scale
+        x[0] *= torch.rand(width, generator=generator) * 100
+        assert torch.equal(torch.ops.eagle_cpu.rms_norm(x, norm.weight.data, 1e-5), norm(x)), (width, scale)
+print(torch.backends.cpu.get_cpu_capability(), torch.ops.eagle_cpu.torch_sum_lanes())
+"""
+
+
+@pytest.mark.parametrize("capability", [None, "avx2"])
+def test_rms_norm_sums_as_torch_does(capability):
+    """The fused forward's RMSNorm sums each row's squares by hand in torch's own order (not through a torch call
+    per norm): transformers' bits for rows short and long (the cascade of chunks), small and large, with torch
+    dispatching to AVX2 code or to what this CPU offers beyond it, in a fresh process for each."""
+    env = dict(os.environ, **({"ATEN_CPU_CAPABILITY": capability} if capability else {}))
+    done = subprocess.run([sys.executable, "-c", RMS_NORM_CHECK], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    lanes = int(done.stdout.split()[-1])
+    assert lanes in (8, 16), "torch 2.13's sum order was recognised (0: rms_norm fell back to torch's mean)"

@@ -952,49 +952,144 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   return attend(query, key, value, visible_rows(mask, query.size(0), query.size(2), key.size(2)), scale);
 }
 
-// transformers' LlamaRMSNorm, w * (x * rsqrt(mean(x^2) + eps)), each step rounded as torch rounds it: torch's own
-// mean (its reduction order), the rest by hand in one pass (pow(x, 2) is x * x and rsqrt is 1 / sqrt in torch too).
+int64_t ceil_log2(int64_t x) { return x <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(x - 1)); }
+
+// torch's sum of a contiguous float32 row (ATen's SumKernel.cpp, its inner-dimension cascade sum): vectors of `lanes`
+// floats taken four side by side and added in chunks of 16 that are summed level by level, the four partial vectors
+// then added in order, then the lanes one by one after the scalar tail, onto the zero the output starts as. The
+// same additions lane by lane, so the same bits, without the ~2 us of a TensorIterator per call (rms_norm's mean,
+// twice a layer).
+float torch_row_sum(const float* x, int64_t width, int64_t lanes) {
+  if (width < lanes) lanes = 1;  // torch sums a row shorter than a vector as scalars, by the same cascade
+  constexpr int64_t LEVELS = 4, ILP = 4;
+  const int64_t vectors = width / lanes, rows = vectors / ILP;
+  const int64_t power = std::max<int64_t>(4, ceil_log2(rows) / LEVELS), step = int64_t(1) << power;
+  float acc[LEVELS][ILP][16] = {};
+  const auto add_row = [&](int64_t i) {
+    for (int64_t k = 0; k < ILP; ++k)
+      for (int64_t l = 0; l < lanes; ++l) acc[0][k][l] += x[(i * ILP + k) * lanes + l];
+  };
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i) add_row(i);
+    for (int64_t level = 1; level < LEVELS; ++level) {
+      for (int64_t k = 0; k < ILP; ++k)
+        for (int64_t l = 0; l < lanes; ++l) acc[level][k][l] += acc[level - 1][k][l], acc[level - 1][k][l] = 0.f;
+      if ((i & ((step - 1) << (level * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) add_row(i);
+  for (int64_t level = 1; level < LEVELS; ++level)
+    for (int64_t k = 0; k < ILP; ++k)
+      for (int64_t l = 0; l < lanes; ++l) acc[0][k][l] += acc[level][k][l];
+  for (int64_t v = rows * ILP; v < vectors; ++v)
+    for (int64_t l = 0; l < lanes; ++l) acc[0][0][l] += x[v * lanes + l];
+  for (int64_t k = 1; k < ILP; ++k)
+    for (int64_t l = 0; l < lanes; ++l) acc[0][0][l] += acc[0][k][l];
+  float total = 0.f;
+  for (int64_t e = vectors * lanes; e < width; ++e) total += x[e];
+  for (int64_t l = 0; l < lanes; ++l) total += acc[0][0][l];
+  return 0.f + total;
+}
+
+// The lanes with which torch sums a float32 row here (torch_row_sum): 8 on AVX2 CPUs, and on AVX-512 ones too where
+// torch dispatches its sum to AVX2 code (2.13 does), found once by comparing with at::sum on fixed rows of several
+// widths; 0 if neither 8 nor 16 gives its bits (another torch), and rms_norm then calls torch's mean.
+int64_t torch_sum_lanes() {
+  static const int64_t found = [] {
+    for (const int64_t lanes : {8, 16}) {
+      bool same = true;
+      for (const int64_t width : {7, 64, 576, 1536, 5000, 30000}) {
+        std::vector<float> row(width);
+        for (int64_t j = 0; j < width; ++j) row[j] = static_cast<float>((j * 2654435761u) % 10007) / 97.f + 1e-3f;
+        const float theirs = at::from_blob(row.data(), {width}, at::kFloat).sum().item<float>();
+        same = same && torch_row_sum(row.data(), width, lanes) == theirs;
+      }
+      if (same) return lanes;
+    }
+    return int64_t(0);
+  }();
+  return found;
+}
+
+// transformers' LlamaRMSNorm, w * (x * rsqrt(mean(x^2) + eps)), each step rounded as torch rounds it: the mean is
+// torch's sum / width, as torch's CPU mean computes it (by hand where torch_sum_lanes knows torch's order, else
+// torch's own); pow(x, 2) is x * x and rsqrt is 1 / sqrt in torch too.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "rms_norm takes float32 inputs and weights");
   const at::Tensor in = x.contiguous();
   const int64_t width = in.size(-1), rows = in.numel() / width;
-  at::Tensor squares = at::empty_like(in), out = at::empty_like(in);
-  const float* xs = in.data_ptr<float>();
-  float *sq = squares.data_ptr<float>(), *os = out.data_ptr<float>();
-  for (int64_t i = 0; i < in.numel(); ++i) sq[i] = xs[i] * xs[i];
-  const at::Tensor variance = squares.mean({-1}, /*keepdim=*/true).contiguous();
-  const float *var = variance.data_ptr<float>(), *w = weight.data_ptr<float>(), e = static_cast<float>(eps);
+  TORCH_CHECK(weight.numel() == width, "rms_norm: ", weight.numel(), " weights for rows of ", width);
+  at::Tensor out = at::empty_like(in);
+  std::vector<float> squares(width);
+  const float *xs = in.data_ptr<float>(), *w = weight.data_ptr<float>(), e = static_cast<float>(eps);
+  float* os = out.data_ptr<float>();
+  const int64_t lanes = torch_sum_lanes();
   for (int64_t r = 0; r < rows; ++r) {
-    const float scale = 1.f / std::sqrt(var[r] + e);
-    for (int64_t j = 0; j < width; ++j) os[r * width + j] = w[j] * (xs[r * width + j] * scale);
+    const float* row = xs + r * width;
+    for (int64_t j = 0; j < width; ++j) squares[j] = row[j] * row[j];
+    const float mean = lanes > 0 ? torch_row_sum(squares.data(), width, lanes) / static_cast<float>(width)
+                                 : at::from_blob(squares.data(), {width}, at::kFloat).mean().item<float>();
+    const float scale = 1.f / std::sqrt(mean + e);
+    for (int64_t j = 0; j < width; ++j) os[r * width + j] = w[j] * (row[j] * scale);
   }
   return out;
 }
 
+// A float32 result as a cache of type T keeps it: itself, or float16 rounded to nearest even as torch's copy_ rounds.
+inline void store(float* to, float value) { *to = value; }
+inline void store(at::Half* to, float value) {
+  const uint16_t bits = _cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT);
+  std::memcpy(to, &bits, sizeof bits);
+}
+
 // transformers' apply_rotary_pos_emb for one of q and k, x * cos + rotate_half(x) * sin with each product rounded
 // before the sum as torch rounds them, from x [1, H, M, D] (D contiguous) into out (the same shape, any strides:
-// a slice of the cache). cos, sin: [M, D] after dropping leading ones.
+// a slice of the cache, float32 or float16). cos, sin: [M, D] after dropping leading ones.
+template <typename T>
 void rotate_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
   const int64_t heads = x.size(1), rows = x.size(2), dim = x.size(3), half = dim / 2;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(3) == 1 && out.sizes() == x.sizes() && out.stride(3) == 1,
-              "rotate_into takes float32 [1, H, M, D] tensors with a contiguous last dimension");
-  const at::Tensor c = cos.reshape({rows, dim}).contiguous(), s = sin.reshape({rows, dim}).contiguous();
-  const float *cs = c.data_ptr<float>(), *ss = s.data_ptr<float>(), *xs = x.data_ptr<float>();
-  float* os = out.data_ptr<float>();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(3) == 1 && out.sizes() == x.sizes() && out.stride(3) == 1 &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * dim,
+              "rotate_into takes float32 [1, H, M, D] tensors with a contiguous last dimension, cos and sin [M, D]");
+  const float *cs = cos.data_ptr<float>(), *ss = sin.data_ptr<float>(), *xs = x.data_ptr<float>();
+  T* os = out.data_ptr<T>();
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t r = 0; r < rows; ++r) {
       const float *in = xs + h * x.stride(1) + r * x.stride(2), *cr = cs + r * dim, *sr = ss + r * dim;
-      float* o = os + h * out.stride(1) + r * out.stride(2);
-      for (int64_t d = 0; d < half; ++d) o[d] = in[d] * cr[d] + -in[d + half] * sr[d];
-      for (int64_t d = half; d < dim; ++d) o[d] = in[d] * cr[d] + in[d - half] * sr[d];
+      T* o = os + h * out.stride(1) + r * out.stride(2);
+      for (int64_t d = 0; d < half; ++d) store(o + d, in[d] * cr[d] + -in[d + half] * sr[d]);
+      for (int64_t d = half; d < dim; ++d) store(o + d, in[d] * cr[d] + in[d - half] * sr[d]);
     }
+}
+
+void rotate_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();  // themselves, as the rotary tables come
+  if (out.scalar_type() == at::kHalf) rotate_into<at::Half>(x, c, s, out);
+  else rotate_into<float>(x, c, s, out);
 }
 
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   at::Tensor out = at::empty(x.sizes(), x.options());
   rotate_into(x, cos, sin, out);
   return out;
+}
+
+// x [1, H, M, D] (D contiguous) into out of its shape, a slice of a float32 or float16 cache (store's rounding).
+void copy_heads(const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(3) == 1 && out.sizes() == x.sizes() && out.stride(3) == 1,
+              "copy_heads takes float32 [1, H, M, D] with a contiguous last dimension into a slice of its shape");
+  const auto copy = [&](auto* os) {
+    for (int64_t h = 0; h < x.size(1); ++h)
+      for (int64_t r = 0; r < x.size(2); ++r) {
+        const float* in = x.data_ptr<float>() + h * x.stride(1) + r * x.stride(2);
+        auto* o = os + h * out.stride(1) + r * out.stride(2);
+        for (int64_t d = 0; d < x.size(3); ++d) store(o + d, in[d]);
+      }
+  };
+  if (out.scalar_type() == at::kHalf) copy(out.data_ptr<at::Half>());
+  else copy(out.data_ptr<float>());
 }
 
 // Features [from, from + width) of a stacked q, k, v matmul's output [1, M, F] as heads [1, H, M, head_dim] (a view).
@@ -1062,10 +1157,8 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
     const at::Tensor qkv = project(0, rms_norm(h, w[0], eps));  // each feature as q_proj, k_proj or v_proj gives it
     const int64_t kv = keys.size(1) * head_dim, qf = qkv.size(-1) - 2 * kv;
     const at::Tensor q = rotate(split_heads(qkv, 0, qf, head_dim), cos, sin);
-    const at::Tensor new_keys = keys.slice(2, start, end), k = split_heads(qkv, qf, kv, head_dim);
-    if (keys.scalar_type() == at::kFloat) rotate_into(k, cos, sin, new_keys);
-    else new_keys.copy_(rotate(k, cos, sin));  // a float16 cache: rounded as torch rounds (engine/cache.py)
-    values.slice(2, start, end).copy_(split_heads(qkv, qf + kv, kv, head_dim));
+    rotate_into(split_heads(qkv, qf, kv, head_dim), cos, sin, keys.slice(2, start, end));
+    copy_heads(split_heads(qkv, qf + kv, kv, head_dim), values.slice(2, start, end));
     const at::Tensor attended = attend(q, keys.slice(2, 0, end), values.slice(2, 0, end), visible, scale);
     add_into(h, project(1, attended.reshape({1, rows, -1})));
     add_into(h, project(3, gated(project(2, rms_norm(h, w[1], eps)))));
@@ -1142,6 +1235,8 @@ TORCH_LIBRARY(eagle_cpu, m) {
   m.def("q8_0_int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int out_features) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("torch_sum_lanes() -> int", &torch_sum_lanes);
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
   m.def("llama_forward(Tensor embeddings, Tensor cos, Tensor sin, Tensor? mask, Tensor[] weights, Tensor[] caches, "
         "Tensor final_norm, int start, int head_dim, float eps, float scale, int[] capture, bool int8) -> Tensor[]");
@@ -1154,6 +1249,7 @@ TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
   m.impl("q8_0_linear", &q8_0_linear);
   m.impl("q4_1_int8_linear", &q4_1_int8_linear);
   m.impl("q8_0_int8_linear", &q8_0_int8_linear);
+  m.impl("rms_norm", &rms_norm);
   m.impl("attention", &attention);
   m.impl("llama_forward", &llama_forward);
   m.impl("eagle3_layer", &eagle3_layer);
