@@ -139,6 +139,16 @@ def test_int8_layers_compute_llama_cpps_arithmetic_exactly(kind, sizes):
         pytest.skip("checked on the AVX2 path only: this CPU has no AVX-512 VNNI")
 
 
+def test_int8_layers_refuse_scales_that_float16_cannot_hold():
+    """The int8 kernels read group scales and mins as float16, as GGUF and the quantizer give them: a scale float16
+    would round is refused by name, not silently changed."""
+    groups = quantize(_weight(16, 2 * GROUP), "Q4_1")
+    groups.mins[3, 1] += 1e-4
+    with pytest.raises(ValueError, match="float16"):
+        QuantLinear(groups, None, int8=True)
+    assert torch.equal(QuantLinear(groups, None).dequantized(), groups.dequantize())  # the float32 kernels take it
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_int8_activations_round_halves_to_even_and_keep_zero_groups(kind):
     """The edge cases of rounding the inputs (eight lanes at a time in the kernel): a group whose largest magnitude

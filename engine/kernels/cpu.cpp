@@ -346,9 +346,19 @@ Int8Rows quantize_rows(const float* x, int64_t rows, int64_t in) {
   return r;
 }
 
+// Keys and values are float32 or float16 (the engine's KV cache, engine/cache.py), and so are the int8 layers' group
+// scales and mins (float16): eight or sixteen of them widened to float32 exactly, so a float16 cache gives the very
+// bits of a float32 one holding the same rounded values.
+__m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+WIDE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+WIDE __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 struct Int8Layer {
-  const uint8_t* codes;        // [tiles, groups, chunks, 16, 4] (Q4_1: 4 chunks of nibble pairs; Q8_0: 8 of int8)
-  const float *scales, *mins;  // [tiles, groups, 16]
+  const uint8_t* codes;          // [tiles, groups, chunks, 16, 4] (Q4_1: 4 chunks of nibble pairs; Q8_0: 8 of int8)
+  const at::Half *scales, *mins;  // [tiles, groups, 16], float16 as GGUF stores them: widened exactly on load
   int64_t groups;
 };
 
@@ -380,8 +390,8 @@ void int8_half_avx2(const Int8Layer& w, const Int8Rows& x, int64_t row0, int64_t
         magnitudes[r] = _mm256_abs_epi8(lanes[r]);
       }
     }
-    const __m256 dw = _mm256_loadu_ps(w.scales + tg * LANES + 8 * h);
-    const __m256 mw = Q4 ? _mm256_loadu_ps(w.mins + tg * LANES + 8 * h) : _mm256_setzero_ps();
+    const __m256 dw = load8(w.scales + tg * LANES + 8 * h);
+    const __m256 mw = Q4 ? load8(w.mins + tg * LANES + 8 * h) : _mm256_setzero_ps();
     for (int i = 0; i < ROWS; ++i) {
       const int64_t at = (row0 + i) * w.groups + g;
       const int8_t* xq = x.q.data() + at * GROUP;
@@ -430,8 +440,8 @@ VNNI void int8_tile_vnni(const Int8Layer& w, const Int8Rows& x, int64_t row0, in
     } else {
       for (int r = 0; r < 8; ++r) lanes[r] = _mm512_xor_si512(_mm512_loadu_si512(c + 64 * r), flip);
     }
-    const __m512 dw = _mm512_loadu_ps(w.scales + tg * LANES);
-    const __m512 mw = Q4 ? _mm512_loadu_ps(w.mins + tg * LANES) : _mm512_setzero_ps();
+    const __m512 dw = load16(w.scales + tg * LANES);
+    const __m512 mw = Q4 ? load16(w.mins + tg * LANES) : _mm512_setzero_ps();
     for (int i = 0; i < ROWS; ++i) {
       const int64_t at = (row0 + i) * w.groups + g;
       const int8_t* xq = x.q.data() + at * GROUP;
@@ -504,18 +514,19 @@ void check_repacked(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   TORCH_CHECK(in % GROUP == 0, "int8 linear layers need in_features divisible by ", GROUP, ", got ", in);
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * chunk_bytes,
               "codes must be contiguous, repacked for ", out_features, " x ", in, " (engine/quant.py repack)");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.sizes() == at::IntArrayRef({tiles, groups, LANES}),
-              "scales must be contiguous float32 [tiles, in_features / 32, 16]");
+              "scales must be contiguous float16 [tiles, in_features / 32, 16]");
 }
 
 at::Tensor q4_1_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                             const at::Tensor& mins, const std::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(codes.scalar_type() == at::kByte, "Q4_1 codes are uint8");
   check_repacked(x, codes, scales, 256, out_features);
-  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.is_contiguous() && mins.scalar_type() == at::kFloat,
+  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.is_contiguous() && mins.scalar_type() == at::kHalf,
               "mins must match scales");
-  const Int8Layer w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), x.size(-1) / GROUP};
+  const Int8Layer w{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
+                    x.size(-1) / GROUP};
   return int8_linear<true>(x, w, out_features, bias);
 }
 
@@ -523,7 +534,7 @@ at::Tensor q8_0_int8_linear(const at::Tensor& x, const at::Tensor& codes, const 
                             const std::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(codes.scalar_type() == at::kChar, "Q8_0 codes are int8");
   check_repacked(x, codes, scales, 512, out_features);
-  const Int8Layer w{reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), scales.data_ptr<float>(), nullptr,
+  const Int8Layer w{reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), scales.data_ptr<at::Half>(), nullptr,
                     x.size(-1) / GROUP};
   return int8_linear<false>(x, w, out_features, bias);
 }
@@ -563,15 +574,6 @@ WIDE __m512 exp_nonpositive_wide(__m512 x) {  // exp_nonpositive on 16 lanes, la
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-// Keys and values are float32 or float16 (the engine's KV cache, engine/cache.py): eight of them widened to float32
-// exactly, so a float16 cache gives the very bits of a float32 one holding the same rounded values.
-__m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-WIDE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-WIDE __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 template <typename T>
