@@ -63,12 +63,21 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """Write the new positions after the cached ones; return keys and values up to them."""
-        start, end = self.length, self.length + key_states.shape[-2]
+        self.write(self.length, key_states, value_states)
+        self.length += key_states.shape[-2]
+        return self.keys, self.values
+
+    def write(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Put keys and values at positions [start, start + n), growing the buffers as needed; `length` stays (the
+        draft head keeps a proposal's tree nodes past its committed slots this way, dropped by not counting them)."""
+        end = start + key_states.shape[-2]
         self.reserve(end, key_states, value_states)
         self._keys[..., start:end, :] = key_states
         self._values[..., start:end, :] = value_states
-        self.length = end
-        return self.keys, self.values
+
+    def first(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of positions [0, count), which may run past `length` into what `write` put there."""
+        return self._keys[..., :count, :], self._values[..., :count, :]
 
     def reserve(self, end: int, keys_like: torch.Tensor, values_like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Buffers with room for `end` positions, created on first use in the dtype, device and heads of the

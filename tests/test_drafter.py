@@ -26,7 +26,7 @@ def test_after_each_round_the_drafter_holds_the_accepted_texts_features(kind, tr
         fresh = Drafter(engine.head)
         fresh.commit(features, torch.tensor(text[1:]))
         assert drafter.length == fresh.length == len(text) - 1
-        for (keys, values), (fresh_keys, fresh_values) in zip(drafter.cache, fresh.cache, strict=True):
-            torch.testing.assert_close(keys, fresh_keys, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(values, fresh_values, rtol=1e-4, atol=1e-4)
+        for layer, fresh_layer in zip(drafter.cache, fresh.cache, strict=True):
+            torch.testing.assert_close(layer.keys, fresh_layer.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(layer.values, fresh_layer.values, rtol=1e-4, atol=1e-4)
     assert accepted > 3, "too few drafts accepted for the catch-up to be tested"

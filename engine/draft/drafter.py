@@ -3,21 +3,16 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import GrowingLayer
 from ..fused import FusedEagle3
 from ..tree import DraftTree, TreeSpec
 from .head import DraftHead
-from .layers import KV
-
-
-def _concat(first: list[KV] | None, second: list[KV] | None) -> list[KV] | None:
-    """Per-layer concatenation of two key/value lists along the sequence axis (either may be None)."""
-    if first is None or second is None:
-        return second if first is None else first
-    return [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(first, second)]
 
 
 class Drafter:
-    """Keeps the head's KV cache for committed slots only; tree nodes' keys live for one proposal and are dropped.
+    """Keeps the head's KV cache for committed slots; a proposal's tree nodes are written past them and dropped by
+    not counting them. Buffers with room to grow (engine.cache.GrowingLayer), so a round copies only its new keys,
+    not the whole context as concatenation did.
 
     Slot p pairs the base feature after token p with token p+1, so each round commits the features of the
     accepted path together with the tokens that follow them (the accepted drafts, then the bonus token).
@@ -27,16 +22,26 @@ class Drafter:
         self.head = head
         self.run_head = FusedEagle3.of(head) or head  # the same bits either way, the first without Python per op
         self.device = head.fc.weight.device
-        self.cache: list[KV] | None = None
-        self._tree_kv: list[KV] | None = None
+        self.cache: list[GrowingLayer] = []  # one per head layer, created by the first commit
+        self._fed = 0  # tree nodes of this proposal written after the committed slots
         self._last_hidden: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
-        return 0 if self.cache is None else self.cache[0][0].shape[2]
+        return self.cache[0].length if self.cache else 0
 
     def reset(self) -> None:
-        self.cache = None
+        self.cache, self._fed = [], 0
+
+    def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+             from_target: bool, start: int) -> torch.Tensor:
+        """The head over new slots that see the positions before `start`; their keys and values go in at `start`."""
+        past = [layer.first(start) for layer in self.cache] if start else None
+        out, new_kv = self.run_head(hidden, tokens, positions, past, mask, from_target=from_target)
+        self.cache = self.cache or [GrowingLayer() for _ in new_kv]
+        for layer, (keys, values) in zip(self.cache, new_kv):
+            layer.write(start, keys, values)
+        return out
 
     @torch.inference_mode()
     def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
@@ -45,30 +50,29 @@ class Drafter:
         positions = torch.arange(n, n + t, device=self.device)
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
         mask = torch.cat([torch.ones(t, n, dtype=torch.bool, device=self.device), causal], dim=1)
-        out, new_kv = self.run_head(
-            features[None].to(self.device), next_tokens[None].to(self.device, non_blocking=True), positions, self.cache,
-            mask[None, None],
-            from_target=True,
-        )
-        self.cache = _concat(self.cache, new_kv)
+        out = self._run(features[None].to(self.device), next_tokens[None].to(self.device, non_blocking=True),
+                        positions, mask[None, None], True, n)
+        for layer in self.cache:
+            layer.length = n + t
+        self._fed = 0
         self._last_hidden = out[0, -1]
 
     @torch.inference_mode()
     def propose(self, root: int, tree: TreeSpec) -> DraftTree:
         """Grow the tree `tree` specifies under `root`, from the head's output at the last committed slot."""
-        self._tree_kv = None
+        self._fed = 0
         return tree.grow(self, root, self._last_hidden)
 
     # Expander protocol, used by engine/tree.py
+    @torch.inference_mode()
     def expand(self, hidden: torch.Tensor, tokens: torch.Tensor, level: int, visible: torch.Tensor) -> torch.Tensor:
         n, b = self.length, len(tokens)
         positions = torch.full((b,), n + level, device=self.device)
         visible = visible.to(self.device, non_blocking=True)
         mask = torch.cat([torch.ones(b, n, dtype=torch.bool, device=self.device), visible], dim=1)
-        past = _concat(self.cache, self._tree_kv)
         tokens = tokens.to(self.device, non_blocking=True)
-        out, new_kv = self.run_head(hidden[None], tokens[None], positions, past, mask[None, None], from_target=False)
-        self._tree_kv = _concat(self._tree_kv, new_kv)
+        out = self._run(hidden[None], tokens[None], positions, mask[None, None], False, n + self._fed)
+        self._fed += b
         return out[0]
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
