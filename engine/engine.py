@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .attention import use_wide_attention
+from .cache import GrowingCache
 from .draft.checkpoint import DEFAULT_HEAD, load_head
 from .draft.drafter import Drafter
 from .draft.head import DraftHead
@@ -18,6 +19,7 @@ from .generate import Step, check_prompt, decode
 from .models import DEFAULT_BASE, DEFAULT_DEVICE, auto_dtype, load_base, resolve_dtype
 from .packed import bf16_native, pack_linears, packable_dtypes
 from .params import DecodeParams
+from .prefixes import Prefix, PrefixStore
 from .quant import GROUPED, QuantLinear, gguf_file, quantize_linears, resolve_kernels
 from .target import Target
 from .threads import ThreadGovernor
@@ -64,6 +66,9 @@ class Engine:
                         str(model.dtype).removeprefix("torch."))
         text_config = model.config.get_text_config()
         self.target = Target(model, head.feature_layers(text_config.num_hidden_layers) if head else None)
+        # A chat's next turn forwards only its new tokens where reusing a cache changes no bit (engine.prefixes);
+        # None: every generation prefills its whole prompt (the bench sets it so, to time prefills alike).
+        self.prefixes = PrefixStore() if self.batch_invariant else None
         self._lock = threading.Lock()
         on_cpu = model.get_output_embeddings().weight.device.type == "cpu"
         self.threads = ThreadGovernor() if follow_load and on_cpu else None
@@ -175,12 +180,28 @@ class Engine:
     def _locked(self, prompt_ids: list[int], params: DecodeParams) -> Iterator[Step]:
         with self._lock:
             drafter = Drafter(self.head) if params.method == "eagle" else None
+            kept = self.prefixes.take(prompt_ids, drafter is not None) if self.prefixes is not None else None
+            if kept is not None and drafter is not None:
+                drafter.reset(kept.head_cache)
+            cache = kept.cache if kept is not None else self.target.new_cache()
             if self.threads is not None:
                 self.threads.start()
-            for step in decode(self.target, drafter, prompt_ids, params, self.stop_ids):
-                yield step
-                if self.threads is not None:
-                    self.threads.update()
+            ids = list(prompt_ids)
+            try:
+                for step in decode(self.target, drafter, prompt_ids, params, self.stop_ids, cache):
+                    ids += step.tokens
+                    yield step
+                    if self.threads is not None:
+                        self.threads.update()
+            except GeneratorExit:  # closed at a yield: the caches hold what was yielded, a prefix worth keeping
+                self._keep(ids, cache, drafter)
+                raise
+            self._keep(ids, cache, drafter)
+
+    def _keep(self, ids: list[int], cache: GrowingCache, drafter: Drafter | None) -> None:
+        if self.prefixes is not None:
+            head = (drafter.cache, drafter.length) if drafter is not None and drafter.cache else (None, 0)
+            self.prefixes.put(Prefix(ids, cache, *head))
 
     def chat(self, messages: list[dict], params: DecodeParams | None = None, **options) -> Iterator[Step]:
         return self.generate(self.encode_chat(messages), params, **options)

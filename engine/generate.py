@@ -105,15 +105,18 @@ def prefill(
     target: Target, drafter: Drafter | None, prompt_ids: list[int], seq: Sequence, sampling: Sampling,
     generator: torch.Generator | None,
 ) -> Step:
-    """The prompt in one forward: the first token, and the drafter's cache and the context index over the prompt."""
+    """The prompt in one forward: the first token, and the drafter's cache and the context index over the prompt.
+    Positions a kept prefix already holds (engine.prefixes: the cache and the drafter's first ones) are not run."""
     start = time.perf_counter()
+    done = seq.cache.get_seq_length()
     prompt = torch.tensor(prompt_ids)
-    hidden, features = target.forward(prompt, seq.cache)
+    hidden, features = target.forward(prompt[done:], seq.cache)
     seq.root = sampling.pick(target.logits(hidden[-1]), generator)
     verified = time.perf_counter()
     if drafter is not None:
-        drafter.reset()
-        drafter.commit(features, torch.cat([prompt[1:], torch.tensor([seq.root])]))
+        if not done:  # else it holds the kept prefix's slots (Engine)
+            drafter.reset()
+        drafter.commit(features, torch.cat([prompt[done + 1:], torch.tensor([seq.root])]))
     seq.remember(prompt_ids + [seq.root])
     return Step([seq.root], [False], verify_s=verified - start, draft_s=time.perf_counter() - verified, kind="prefill")
 
@@ -211,13 +214,16 @@ def finish(step: Step, seq: Sequence, params: DecodeParams, stop_ids: set[int], 
 
 def decode(
     target: Target, drafter: Drafter | None, prompt_ids: list[int], params: DecodeParams,
-    stop_ids: tuple[int, ...] = (),
+    stop_ids: tuple[int, ...] = (), cache: Cache | None = None,
 ) -> Iterator[Step]:
-    """Generate from prompt_ids, one Step per base-model forward. Closing the iterator stops decoding at once."""
+    """Generate from prompt_ids, one Step per base-model forward. Closing the iterator stops decoding at once (at a
+    yield, where the cache and the drafter hold exactly the tokens yielded so far, and the ones a cut step dropped).
+    cache: a new one by default; else one holding the prompt's first positions, the drafter the same slots."""
     check_prompt(prompt_ids, target.max_context)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     stops, sampling = set(stop_ids), params.sampling
-    seq = Sequence(len(prompt_ids), target.new_cache(), context=ContextIndex() if params.drafts_from_context else None)
+    cache = target.new_cache() if cache is None else cache
+    seq = Sequence(len(prompt_ids), cache, context=ContextIndex() if params.drafts_from_context else None)
     start = time.perf_counter()
     step = prefill(target, drafter, prompt_ids, seq, sampling, generator)
     for index in itertools.count():

@@ -80,6 +80,22 @@ def test_eagle_greedy_equals_vanilla_with_real_acceptance(engine):
     assert tau > 1.5, f"τ {tau:.2f}: the shipped head should accept drafts (a branching tree)"
 
 
+def test_a_chat_turn_reuses_the_last_turns_cache_and_answers_as_a_fresh_prefill(engine):
+    """The next turn's prompt re-encodes the answer the last turn produced: most of it matches the kept cache's
+    tokens, and decoding from that cache gives the answer a full prefill gives."""
+    chat = [{"role": "user", "content": "Name three rivers in Europe."}]
+    answer = engine.chat_text(chat, max_new_tokens=40)
+    chat += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Which of them is the longest?"}]
+    ids = engine.encode_chat(chat)
+    assert engine.prefixes.entries[-1].usable(ids, with_head=True) > len(ids) * 3 // 4
+    reused = tokens_of(engine.generate(ids, max_new_tokens=40))
+    store, engine.prefixes = engine.prefixes, None
+    try:
+        assert reused == tokens_of(engine.generate(ids, max_new_tokens=40))
+    finally:
+        engine.prefixes = store
+
+
 def test_eagle_greedy_equals_vanilla_in_float32(engine_fp32):
     for text in _prompts(2):
         ids = engine_fp32.encode_chat([{"role": "user", "content": text}])

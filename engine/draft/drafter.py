@@ -30,8 +30,9 @@ class Drafter:
     def length(self) -> int:
         return self.cache[0].length if self.cache else 0
 
-    def reset(self) -> None:
-        self.cache, self._fed = [], 0
+    def reset(self, cache: list[GrowingLayer] | None = None) -> None:
+        """Start over, or from `cache` (a kept prefix's slots: engine.prefixes)."""
+        self.cache, self._fed = cache or [], 0
 
     def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
              from_target: bool, start: int) -> torch.Tensor:

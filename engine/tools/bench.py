@@ -218,6 +218,8 @@ def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
         setup.methods.remove("eagle")
     if not setup.methods:
         raise ValueError("no method left to run")
+    for each in engines.values():  # every method prefills each prompt in full, the one after another's too
+        each.prefixes = None
     return engines
 
 

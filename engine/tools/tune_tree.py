@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     min_matches = parse_sizes(args.min_match, "--min-match", "match lengths such as 1,2")
     engine = Engine.load(args.base, args.head, dtype=args.dtype, kernels=args.kernels)
+    engine.prefixes = None  # every setting prefills each prompt in full, as the first one did
     questions = load_questions(args.questions, args.limit)
     prompts, categories = first_turn_prompts(engine, questions), [q["category"] for q in questions]
     plain = DecodeParams(method="vanilla", max_new_tokens=args.max_new_tokens)
