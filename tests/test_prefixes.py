@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import BRANCHING, tiny_engine, tokens_of
+from engine.draft.drafter import Drafter
 
 
 def _forwarded(engine, monkeypatch) -> list[int]:
@@ -70,3 +71,20 @@ def test_an_engine_that_is_not_batch_invariant_keeps_no_prefix(prompt):
     engine = tiny_engine("llama-h64-l8-gqa", "eagle3", pack=False)
     assert not engine.batch_invariant and engine.prefixes is None
     assert tokens_of(engine.generate(prompt, max_new_tokens=4))
+
+
+def test_a_kept_prefix_gives_the_head_the_slots_a_fresh_prefill_gives(prompt):
+    """The head's slot p pairs position p's features with the next token, so a prompt that parts from the kept text
+    after position c keeps only c - 1 slots: the head then holds what committing the prompt afresh builds (a slot
+    kept one too far would only make drafts worse, which no greedy test sees)."""
+    engine = tiny_engine("llama-h64-l8-gqa", "eagle3", pack=True)
+    first = tokens_of(engine.generate(prompt, max_new_tokens=12, **BRANCHING))
+    tokens_of(engine.generate(prompt + first[:5] + [3, 1], max_new_tokens=1))  # the prefill alone
+    kept = engine.prefixes.entries[-1]
+    _, features = engine.target.forward(torch.tensor(kept.ids[:-1]), engine.target.new_cache())
+    fresh = Drafter(engine.head)
+    fresh.commit(features, torch.tensor(kept.ids[1:]))
+    assert kept.head_length == fresh.length == len(kept.ids) - 1
+    for layer, fresh_layer in zip(kept.head_cache, fresh.cache, strict=True):
+        torch.testing.assert_close(layer.keys, fresh_layer.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer.values, fresh_layer.values, rtol=1e-4, atol=1e-4)
