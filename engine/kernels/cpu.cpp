@@ -578,9 +578,9 @@ WIDE __m512 exp_nonpositive_wide(__m512 x) {  // exp_nonpositive on 16 lanes, la
 
 template <typename T>
 struct Heads {  // strided [B, H, L, D] views, D contiguous
-  const T* data;
+  T* data;
   int64_t batch, head, pos;
-  const T* at(int64_t b, int64_t h, int64_t p) const { return data + b * batch + h * head + p * pos; }
+  T* at(int64_t b, int64_t h, int64_t p) const { return data + b * batch + h * head + p * pos; }
 };
 
 template <typename T>
@@ -1046,52 +1046,65 @@ inline void store(at::Half* to, float value) {
   std::memcpy(to, &bits, sizeof bits);
 }
 
-// transformers' apply_rotary_pos_emb for one of q and k, x * cos + rotate_half(x) * sin with each product rounded
-// before the sum as torch rounds them, from x [1, H, M, D] (D contiguous) into out (the same shape, any strides:
-// a slice of the cache, float32 or float16). cos, sin: [M, D] after dropping leading ones.
+// The heads a stacked q, k, v matmul's output [1, M, F] holds from feature `from` on, as [1, H, M, head_dim].
+Heads<float> heads_in(const at::Tensor& qkv, int64_t from, int64_t head_dim) {
+  return {qkv.data_ptr<float>() + from, 0, head_dim, qkv.size(-1)};
+}
+
+// A cache buffer [1, Hkv, capacity, D] from position `start` on.
 template <typename T>
-void rotate_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
-  const int64_t heads = x.size(1), rows = x.size(2), dim = x.size(3), half = dim / 2;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(3) == 1 && out.sizes() == x.sizes() && out.stride(3) == 1 &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * dim,
-              "rotate_into takes float32 [1, H, M, D] tensors with a contiguous last dimension, cos and sin [M, D]");
-  const float *cs = cos.data_ptr<float>(), *ss = sin.data_ptr<float>(), *xs = x.data_ptr<float>();
-  T* os = out.data_ptr<T>();
+Heads<T> heads_at(const at::Tensor& buffer, int64_t start) {
+  return {buffer.data_ptr<T>() + start * buffer.stride(2), 0, buffer.stride(1), buffer.stride(2)};
+}
+
+// transformers' apply_rotary_pos_emb for one of q and k, x * cos + rotate_half(x) * sin with each product rounded
+// before the sum as torch rounds them, for `heads` heads of `rows` rows into out (float32, or a float16 cache as
+// store rounds). cos, sin: [rows, dim] contiguous.
+template <typename T>
+void rotate_into(const Heads<float>& x, int64_t heads, int64_t rows, int64_t dim, const float* cos, const float* sin,
+                 const Heads<T>& out) {
+  const int64_t half = dim / 2;
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t r = 0; r < rows; ++r) {
-      const float *in = xs + h * x.stride(1) + r * x.stride(2), *cr = cs + r * dim, *sr = ss + r * dim;
-      T* o = os + h * out.stride(1) + r * out.stride(2);
+      const float *in = x.at(0, h, r), *cr = cos + r * dim, *sr = sin + r * dim;
+      T* o = out.at(0, h, r);
       for (int64_t d = 0; d < half; ++d) store(o + d, in[d] * cr[d] + -in[d + half] * sr[d]);
       for (int64_t d = half; d < dim; ++d) store(o + d, in[d] * cr[d] + in[d - half] * sr[d]);
     }
 }
 
-void rotate_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
-  const at::Tensor c = cos.contiguous(), s = sin.contiguous();  // themselves, as the rotary tables come
-  if (out.scalar_type() == at::kHalf) rotate_into<at::Half>(x, c, s, out);
-  else rotate_into<float>(x, c, s, out);
-}
-
-at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  rotate_into(x, cos, sin, out);
+// The heads of qkv [1, M, F] from feature `from` on, rotated, as a new [1, heads, M, head_dim] tensor.
+at::Tensor rotated(const at::Tensor& qkv, int64_t from, int64_t heads, int64_t head_dim, const at::Tensor& cos,
+                   const at::Tensor& sin) {
+  const int64_t rows = qkv.size(1);
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * head_dim,
+              "rotary: a contiguous matmul output and cos, sin of [rows, head_dim]");
+  at::Tensor out = at::empty({1, heads, rows, head_dim}, qkv.options());
+  rotate_into(heads_in(qkv, from, head_dim), heads, rows, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>(),
+              heads_of<float>(out));
   return out;
 }
 
-// x [1, H, M, D] (D contiguous) into out of its shape, a slice of a float32 or float16 cache (store's rounding).
-void copy_heads(const at::Tensor& x, const at::Tensor& out) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(3) == 1 && out.sizes() == x.sizes() && out.stride(3) == 1,
-              "copy_heads takes float32 [1, H, M, D] with a contiguous last dimension into a slice of its shape");
-  const auto copy = [&](auto* os) {
-    for (int64_t h = 0; h < x.size(1); ++h)
-      for (int64_t r = 0; r < x.size(2); ++r) {
-        const float* in = x.data_ptr<float>() + h * x.stride(1) + r * x.stride(2);
-        auto* o = os + h * out.stride(1) + r * out.stride(2);
-        for (int64_t d = 0; d < x.size(3); ++d) store(o + d, in[d]);
-      }
+// A layer's new keys (rotated) and values from qkv [1, M, F] (from feature qf on) into its cache buffers at `start`.
+void write_keys_values(const at::Tensor& qkv, int64_t qf, int64_t head_dim, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values, int64_t start) {
+  const int64_t kv_heads = keys.size(1), rows = qkv.size(1);
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * head_dim &&
+                  keys.stride(3) == 1 && values.stride(3) == 1 && keys.size(2) >= start + rows &&
+                  values.sizes() == keys.sizes(),
+              "write_keys_values: a contiguous matmul output, cos and sin [rows, head_dim], buffers with room");
+  const auto write = [&](auto element) {
+    using T = decltype(element);
+    rotate_into(heads_in(qkv, qf, head_dim), kv_heads, rows, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                heads_at<T>(keys, start));
+    const Heads<float> from = heads_in(qkv, qf + kv_heads * head_dim, head_dim);
+    const Heads<T> to = heads_at<T>(values, start);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < head_dim; ++d) store(to.at(0, h, r) + d, from.at(0, h, r)[d]);
   };
-  if (out.scalar_type() == at::kHalf) copy(out.data_ptr<at::Half>());
-  else copy(out.data_ptr<float>());
+  if (keys.scalar_type() == at::kHalf) write(at::Half());
+  else write(0.f);
 }
 
 // Features [from, from + width) of a stacked q, k, v matmul's output [1, M, F] as heads [1, H, M, head_dim] (a view).
@@ -1145,6 +1158,7 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
                 " positions");
   std::vector<at::Tensor> out(1 + capture.size());
   at::Tensor h = embeddings.contiguous().clone();  // the residual stream, added to in place
+  const at::Tensor cos_rows = cos.contiguous(), sin_rows = sin.contiguous();  // themselves, as the tables come
   const std::vector<Visible> visible = visible_rows(mask, 1, rows, end);  // the same in every layer
   for (int64_t layer = 0; layer < layers; ++layer) {
     for (size_t i = 0; i < capture.size(); ++i)
@@ -1158,9 +1172,8 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
     const at::Tensor &keys = caches[2 * layer], &values = caches[2 * layer + 1];
     const at::Tensor qkv = project(0, rms_norm(h, w[0], eps));  // each feature as q_proj, k_proj or v_proj gives it
     const int64_t kv = keys.size(1) * head_dim, qf = qkv.size(-1) - 2 * kv;
-    const at::Tensor q = rotate(split_heads(qkv, 0, qf, head_dim), cos, sin);
-    rotate_into(split_heads(qkv, qf, kv, head_dim), cos, sin, keys.slice(2, start, end));
-    copy_heads(split_heads(qkv, qf + kv, kv, head_dim), values.slice(2, start, end));
+    const at::Tensor q = rotated(qkv, 0, qf / head_dim, head_dim, cos_rows, sin_rows);
+    write_keys_values(qkv, qf, head_dim, cos_rows, sin_rows, keys, values, start);
     const at::Tensor attended = attend(q, keys.slice(2, 0, end), values.slice(2, 0, end), visible, scale);
     add_into(h, project(1, attended.reshape({1, rows, -1})));
     add_into(h, project(3, gated(project(2, rms_norm(h, w[1], eps)))));
@@ -1197,8 +1210,9 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
   const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(hidden, weights[1], eps)}, -1);
   const at::Tensor qkv = project(0, x);
   const int64_t qf = heads * head_dim, kv = (qkv.size(-1) - qf) / 2;
-  const at::Tensor q = rotate(split_heads(qkv, 0, qf, head_dim), cos, sin);
-  const at::Tensor k = rotate(split_heads(qkv, qf, kv, head_dim), cos, sin);
+  const at::Tensor cos_rows = cos.contiguous(), sin_rows = sin.contiguous();
+  const at::Tensor q = rotated(qkv, 0, qf / head_dim, head_dim, cos_rows, sin_rows);
+  const at::Tensor k = rotated(qkv, qf, kv / head_dim, head_dim, cos_rows, sin_rows);
   const at::Tensor v = split_heads(qkv, qf + kv, kv, head_dim);
   const at::Tensor keys = past_keys.has_value() ? at::cat({*past_keys, k}, 2) : k;
   const at::Tensor values = past_values.has_value() ? at::cat({*past_values, v}, 2) : v;
