@@ -36,7 +36,8 @@ class FusedLlama:
         self.kv_heads = config.num_key_value_heads
         self.eps = float(config.rms_norm_eps)
         self.scale = float(self.body.layers[0].self_attn.scaling)
-        self.weights = [tensor for layer in self.body.layers for tensor in _layer_tensors(layer)]
+        self.weights = torch.classes.eagle_cpu.Weights(
+            [tensor for layer in self.body.layers for tensor in _layer_tensors(layer)])
         self.int8 = self.body.layers[0].self_attn.q_proj.int8
 
     @classmethod
