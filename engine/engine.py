@@ -200,8 +200,7 @@ class Engine:
 
     def _keep(self, ids: list[int], cache: GrowingCache, drafter: Drafter | None) -> None:
         if self.prefixes is not None:
-            head = (drafter.cache, drafter.length) if drafter is not None and drafter.cache else (None, 0)
-            self.prefixes.put(Prefix(ids, cache, *head))
+            self.prefixes.put(Prefix(ids, cache, drafter.cache if drafter is not None and drafter.cache else None))
 
     def chat(self, messages: list[dict], params: DecodeParams | None = None, **options) -> Iterator[Step]:
         return self.generate(self.encode_chat(messages), params, **options)

@@ -25,7 +25,10 @@ class Prefix:
     ids: list[int]
     cache: GrowingCache
     head_cache: list[GrowingLayer] | None = None
-    head_length: int = 0
+
+    @property
+    def head_length(self) -> int:
+        return self.head_cache[0].length if self.head_cache else 0
 
     def usable(self, prompt_ids: list[int], with_head: bool) -> int:
         """How many leading positions a generation of `prompt_ids` can take from here: within the common prefix
@@ -38,7 +41,7 @@ class Prefix:
             common += 1
         usable = min(common - 1, self.cache.get_seq_length(), len(prompt_ids) - 1)
         if with_head:
-            usable = min(usable, self.head_length if self.head_cache is not None else 0)
+            usable = min(usable, self.head_length)
         return max(usable, 0)
 
 
@@ -62,11 +65,7 @@ class PrefixStore:
         if with_head:
             for layer in entry.head_cache:
                 layer.length = usable[best]
-        entry.head_length = usable[best] if with_head else 0
         return entry
 
     def put(self, prefix: Prefix) -> None:
         self.entries = (self.entries + [prefix])[-self.capacity:]
-
-    def clear(self) -> None:
-        self.entries = []
