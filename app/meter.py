@@ -1,11 +1,13 @@
 """The live speedup meter: tokens/s, mean accepted length τ and the speedup over plain decoding, all measured in
 the answer it describes.
 
-The baseline is not a figure from another time: an EAGLE answer times a plain decoding step now and then (every
-PLAIN_EVERY-th round, DecodeParams.plain_every), under whatever else the machine is doing at that moment, and the
-speedup divides the answer's speed (those steps included: what the user gets) by those steps' speed. A
-plain-decoding answer is its own baseline: 1.00×. Speeds count decoding rounds only: the prefill (prompt
-processing) costs the same with or without EAGLE.
+The baseline is not a figure from another time: an EAGLE answer decodes a run of PLAIN_RUN plain steps now and
+then (from every PLAIN_EVERY-th round, DecodeParams.plain_every), under whatever else the machine is doing at that
+moment, and the speedup divides the answer's speed (those steps included: what the user gets) by the speed of the
+runs' last steps. The first SETTLING steps of a run are not timed: a step right after drafting rounds runs slower
+than one after other plain steps (README, "Speedup meter": a quarter slower at first, as fast within about four
+steps), and plain decoding is nothing but steps after plain steps. A plain-decoding answer is its own baseline:
+1.00×. Speeds count decoding rounds only: the prefill (prompt processing) costs the same with or without EAGLE.
 
 A hiccup (a step the machine held up, e.g. while the browser repaints) lands on one of the ~8 plain steps of an
 answer as often as on any round, but there it moves the baseline by a third or more: a hiccup's excess time is
@@ -18,7 +20,9 @@ from statistics import mean, median, stdev
 
 from engine import Step
 
-PLAIN_EVERY = 8  # a timed plain step every 8th round
+PLAIN_EVERY = 48  # a run of plain steps from every 48th round: 1 round in 8 plain
+PLAIN_RUN = 6
+SETTLING = 4  # untimed plain steps at the start of a run
 HICCUP = 2.0  # a step over twice its kind's median time was held up by the machine, not slowed by the method
 CHART_ROUNDS = 48  # rounds shown in the acceptance chart
 METHOD_NAMES = {"eagle": "EAGLE", "suffix": "Context drafting (no head)", "vanilla": "Plain decoding"}
@@ -78,9 +82,10 @@ class TurnMeter:
     prefill_s: float = 0.0
     decoding: Rate = field(default_factory=Rate)  # every round after the prefill: what the user gets
     speculative: Rate = field(default_factory=Rate)  # rounds that verified a drafted tree
-    plain: Rate = field(default_factory=Rate)  # plain steps, timed as plain decoding (their drafter upkeep left out)
+    plain: Rate = field(default_factory=Rate)  # settled plain steps, timed as plain decoding (drafter upkeep left out)
     per_round: list[int] = field(default_factory=list)  # tokens committed by each round (accepted drafts + 1)
     finish_reason: str | None = None
+    plain_run: int = 0  # plain steps in a row up to the last one added
 
     def add(self, step: Step) -> None:
         self.finish_reason = step.finish_reason
@@ -88,9 +93,10 @@ class TurnMeter:
             self.prefill_s = step.wall_s
             return
         self.decoding.add(len(step.tokens), step.wall_s)
-        if step.kind == "plain":
+        self.plain_run = self.plain_run + 1 if step.kind == "plain" else 0
+        if self.plain_run > SETTLING:
             self.plain.add(len(step.tokens), step.wall_s - step.draft_s)
-        else:
+        elif step.kind != "plain":
             self.speculative.add(len(step.tokens), step.wall_s, group=step.tree_size)
         self.per_round.append(len(step.tokens))
 
@@ -153,7 +159,8 @@ class TurnMeter:
         spread = "" if error is None else f" ± {100 * error:.0f} %"
         basis = (f"× = this answer ({_figure(self.decoding.per_s, 1)} tokens/s) ÷ plain decoding "
                  f"({_figure(self.plain_per_s, 1)} tokens/s{spread}), both timed in this answer: {self.plain.steps} "
-                 f"plain step{'s' if self.plain.steps > 1 else ''}, one every {PLAIN_EVERY} rounds.")
+                 f"plain step{'s' if self.plain.steps > 1 else ''}, the last {PLAIN_RUN - SETTLING} of a run of "
+                 f"{PLAIN_RUN} every {PLAIN_EVERY} rounds (the first ones let the machine settle after drafting).")
         if spread:
             basis += " ± is the standard error of the plain steps' mean."
         if self.hiccups:

@@ -14,7 +14,7 @@ from engine import DecodeParams, DynamicTree
 
 from .chat import ChatService
 from .conversation import Conversation, Turn, note_turn, user_turn
-from .meter import METHOD_NAMES, PLAIN_EVERY, TurnMeter, meter_html, status_html
+from .meter import METHOD_NAMES, PLAIN_EVERY, PLAIN_RUN, TurnMeter, meter_html, status_html
 from .render import render_answer, render_markdown
 
 log = logging.getLogger(__name__)
@@ -68,10 +68,10 @@ class Handlers:
 
     def params(self, **options) -> DecodeParams:
         """The settings controls' values as DecodeParams, the answer length capped at the app's --max-new-tokens;
-        EAGLE answers time a plain step every PLAIN_EVERY rounds for the meter (app/meter.py)."""
+        EAGLE answers decode a run of PLAIN_RUN plain steps every PLAIN_EVERY rounds for the meter (app/meter.py)."""
         typed = {name: OPTION_TYPES.get(name, float)(value) for name, value in options.items()}
         typed["max_new_tokens"] = max(1, min(typed.get("max_new_tokens", self.max_new_tokens), self.max_new_tokens))
-        return DecodeParams(plain_every=PLAIN_EVERY).with_options(**typed)
+        return DecodeParams(plain_every=PLAIN_EVERY, plain_run=PLAIN_RUN).with_options(**typed)
 
     # Chat tab -----------------------------------------------------------------------------------------------
     def add_message(self, text: str, conversation: Conversation):

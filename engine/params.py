@@ -27,10 +27,11 @@ class DecodeParams:
     tree: TreeSpec = field(default_factory=DynamicTree)
     context: ContextDraft | None = field(default_factory=ContextDraft)  # None: no drafting from the context
     seed: int | None = None
-    # Every n-th round of a speculative method is a plain step instead (0: never), timed like plain decoding under
-    # the turn's own conditions: the app's speedup meter divides by it. The output does not change (a plain step
-    # commits what the round would have: the base model's own token).
+    # Every n-th round of a speculative method starts a run of `plain_run` plain steps instead (0: never), timed
+    # like plain decoding under the turn's own conditions: the app's speedup meter divides by them. The output does
+    # not change (a plain step commits what the round would have: the base model's own token).
     plain_every: int = 0
+    plain_run: int = 1
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -39,6 +40,8 @@ class DecodeParams:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.plain_every < 0:
             raise ValueError(f"plain_every must be >= 0 (0 = never), got {self.plain_every}")
+        if self.plain_every and not 1 <= self.plain_run <= self.plain_every:
+            raise ValueError(f"plain_run must be between 1 and plain_every ({self.plain_every}), got {self.plain_run}")
         if self.method == "suffix" and self.context is None:
             raise ValueError("method 'suffix' drafts from the context: it cannot run with context drafting off")
 
@@ -53,9 +56,9 @@ class DecodeParams:
         return max(head, self.context.max_tokens if self.drafts_from_context else 0)
 
     def plain_round(self, index: int) -> bool:
-        """Whether decoding round `index` (0 = the first after the prefill) is a timed plain step: rounds 1, n + 1,
-        2n + 1, ..., so that a meter has a first sample early in the answer."""
-        return self.plain_every > 0 and index % self.plain_every == 1 % self.plain_every
+        """Whether decoding round `index` (0 = the first after the prefill) is a timed plain step: runs of plain_run
+        from rounds 1, n + 1, 2n + 1, ..., so that a meter has a first sample early in the answer."""
+        return self.plain_every > 0 and index >= 1 and (index - 1) % self.plain_every < self.plain_run
 
     def with_options(self, **options) -> DecodeParams:
         """A copy with flat options changed, the shape command-line flags, UI controls and API fields arrive in:

@@ -25,7 +25,8 @@ def test_empty_and_too_long_prompts(engine):
 def test_bad_parameters(engine, prompt):
     for params, message in [
         (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_new_tokens=0), "max_new_tokens"),
-        (dict(tree="bushy"), "unknown tree"), (dict(depth=0), "depth"),
+        (dict(tree="bushy"), "unknown tree"), (dict(depth=0), "depth"), (dict(plain_every=-1), "plain_every"),
+        (dict(plain_every=4, plain_run=5), "plain_run"), (dict(plain_every=4, plain_run=0), "plain_run"),
     ]:
         with pytest.raises(ValueError, match=message):
             engine.generate(prompt, method="eagle", **params)
