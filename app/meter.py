@@ -1,9 +1,9 @@
 """The live speedup meter: tokens/s, mean accepted length τ and the speedup over plain decoding, all measured in
 the answer it describes.
 
-The baseline is not a figure from another time: an EAGLE answer decodes a run of PLAIN_RUN plain steps now and
-then (from every PLAIN_EVERY-th round, DecodeParams.plain_every), under whatever else the machine is doing at that
-moment, and the speedup divides the answer's speed (those steps included: what the user gets) by the speed of the
+The baseline is not a figure from another time: an EAGLE answer decodes a run of PLAIN_RUN plain steps every
+PLAIN_EVERY rounds (DecodeParams.plain_every, the first run half a period in), under whatever else the machine is
+doing at that moment, and the speedup divides the answer's speed (those steps included: what the user gets) by the speed of the
 runs' last steps. The first SETTLING steps of a run are not timed: a step right after drafting rounds runs slower
 than one after other plain steps (README, "Speedup meter": a quarter slower at first, as fast within about four
 steps), and plain decoding is nothing but steps after plain steps. A plain-decoding answer is its own baseline:
@@ -20,8 +20,8 @@ from statistics import mean, median, stdev
 
 from engine import Step
 
-PLAIN_EVERY = 48  # a run of plain steps from every 48th round: 1 round in 8 plain
-PLAIN_RUN = 6
+PLAIN_EVERY = 40  # a run of plain steps every 40 rounds: 1 round in 5 plain, 1 in 10 timed
+PLAIN_RUN = 8
 SETTLING = 4  # untimed plain steps at the start of a run
 HICCUP = 2.0  # a step over twice its kind's median time was held up by the machine, not slowed by the method
 CHART_ROUNDS = 48  # rounds shown in the acceptance chart

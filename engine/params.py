@@ -27,7 +27,7 @@ class DecodeParams:
     tree: TreeSpec = field(default_factory=DynamicTree)
     context: ContextDraft | None = field(default_factory=ContextDraft)  # None: no drafting from the context
     seed: int | None = None
-    # Every n-th round of a speculative method starts a run of `plain_run` plain steps instead (0: never), timed
+    # Every n rounds a speculative method decodes a run of `plain_run` plain steps instead (0: never), timed
     # like plain decoding under the turn's own conditions: the app's speedup meter divides by them. The output does
     # not change (a plain step commits what the round would have: the base model's own token).
     plain_every: int = 0
@@ -56,9 +56,11 @@ class DecodeParams:
         return max(head, self.context.max_tokens if self.drafts_from_context else 0)
 
     def plain_round(self, index: int) -> bool:
-        """Whether decoding round `index` (0 = the first after the prefill) is a timed plain step: runs of plain_run
-        from rounds 1, n + 1, 2n + 1, ..., so that a meter has a first sample early in the answer."""
-        return self.plain_every > 0 and index >= 1 and (index - 1) % self.plain_every < self.plain_run
+        """Whether decoding round `index` (0 = the first after the prefill) is a plain step: runs of plain_run from
+        rounds n/2, 3n/2, 5n/2, ... (n = plain_every), the first past an answer's start-up, which a page's first
+        update (rendered beside it) slows."""
+        offset = index - self.plain_every // 2
+        return self.plain_every > 0 and offset >= 0 and offset % self.plain_every < self.plain_run
 
     def with_options(self, **options) -> DecodeParams:
         """A copy with flat options changed, the shape command-line flags, UI controls and API fields arrive in:

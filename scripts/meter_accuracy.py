@@ -1,8 +1,9 @@
 """How far the app's speedup meter is from the speedup it claims to measure, on the default engine without a page.
 
 For each prompt (the bicycle prompt of the browser test, then MT-bench first turns): plain decoding, an EAGLE answer
-as the app decodes it (the meter's runs of plain steps), plain decoding again; prints the ratio of the EAGLE
-answer's tokens/s to the two plain answers' mean beside the × the meter shows. Then, with runs of 8 plain steps,
+as the app decodes it (the meter's runs of plain steps), plain decoding again, EAGLE without plain steps; prints the
+ratio of the EAGLE answer's tokens/s to the two plain answers' mean beside the × the meter shows, and what the runs
+cost the answer against EAGLE without them. Then, with runs of 8 plain steps,
 how long each step of a run took against plain decoding's median step on the same prompt: why the meter leaves the
 first app.meter.SETTLING steps of a run untimed.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from statistics import mean, median
 
@@ -38,16 +40,19 @@ def answer(engine: Engine, ids: list[int], params: DecodeParams) -> TurnMeter:
 def meter_against_ratio(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[float]:
     """Shown × over the measured ratio, per prompt."""
     plain = DecodeParams(method="vanilla", max_new_tokens=max_new_tokens)
-    eagle = DecodeParams(max_new_tokens=max_new_tokens, plain_every=PLAIN_EVERY, plain_run=PLAIN_RUN)
-    errors = []
-    print("prompt  tokens  ratio  shown  timed plain steps  shown/ratio")
+    eagle = DecodeParams(max_new_tokens=max_new_tokens)
+    metered = replace(eagle, plain_every=PLAIN_EVERY, plain_run=PLAIN_RUN)
+    errors, costs = [], []
+    print("prompt  tokens  ratio  shown  timed plain steps  shown/ratio  metered/unmetered")
     for number, ids in enumerate(prompts, start=1):
-        before, turn, after = answer(engine, ids, plain), answer(engine, ids, eagle), answer(engine, ids, plain)
+        before, turn, after = answer(engine, ids, plain), answer(engine, ids, metered), answer(engine, ids, plain)
         ratio = turn.tokens_per_s / mean([before.tokens_per_s, after.tokens_per_s])
         errors.append(turn.speedup / ratio)
+        costs.append(turn.tokens_per_s / answer(engine, ids, eagle).tokens_per_s)
         print(f"{number:6d}  {turn.tokens:6d}  {ratio:5.2f}  {turn.speedup:5.2f}  {turn.plain.steps:17d}  "
-              f"{errors[-1]:11.2f}")
-    print(f"mean shown/ratio {mean(errors):.3f} (min {min(errors):.2f}, max {max(errors):.2f})")
+              f"{errors[-1]:11.2f}  {costs[-1]:17.2f}")
+    print(f"mean shown/ratio {mean(errors):.3f} (min {min(errors):.2f}, max {max(errors):.2f}); "
+          f"mean metered/unmetered {mean(costs):.3f}")
     return errors
 
 
