@@ -85,7 +85,7 @@ class TurnMeter:
     plain: Rate = field(default_factory=Rate)  # settled plain steps, timed as plain decoding (drafter upkeep left out)
     per_round: list[int] = field(default_factory=list)  # tokens committed by each round (accepted drafts + 1)
     finish_reason: str | None = None
-    plain_run: int = 0  # plain steps in a row up to the last one added
+    plain_streak: int = 0  # plain steps in a row up to the last one added
 
     def add(self, step: Step) -> None:
         self.finish_reason = step.finish_reason
@@ -93,8 +93,8 @@ class TurnMeter:
             self.prefill_s = step.wall_s
             return
         self.decoding.add(len(step.tokens), step.wall_s)
-        self.plain_run = self.plain_run + 1 if step.kind == "plain" else 0
-        if self.plain_run > SETTLING:
+        self.plain_streak = self.plain_streak + 1 if step.kind == "plain" else 0
+        if self.plain_streak > SETTLING:
             self.plain.add(len(step.tokens), step.wall_s - step.draft_s)
         elif step.kind != "plain":
             self.speculative.add(len(step.tokens), step.wall_s, group=step.tree_size)

@@ -83,7 +83,7 @@ def hiccup_turn(hiccup_at: int | None) -> TurnMeter:
     turn, params = TurnMeter("eagle"), DecodeParams(plain_every=PLAIN_EVERY, plain_run=PLAIN_RUN)
     for i in range(100):
         plain = params.plain_round(i)
-        seconds = (0.006 if turn.plain_run >= SETTLING else 0.008) if plain else 0.010
+        seconds = (0.006 if turn.plain_streak >= SETTLING else 0.008) if plain else 0.010
         seconds += 0.044 if i == hiccup_at else 0.0
         turn.add(step(0, seconds, kind="plain") if plain else Step([1, 2], [True, False], wall_s=seconds, tree_size=2))
     return turn
