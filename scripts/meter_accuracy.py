@@ -3,9 +3,9 @@
 For each prompt (the bicycle prompt of the browser test, then MT-bench first turns): plain decoding, an EAGLE answer
 as the app decodes it (the meter's runs of plain steps), plain decoding again, EAGLE without plain steps; prints the
 ratio of the EAGLE answer's tokens/s to the two plain answers' mean beside the × the meter shows, and what the runs
-cost the answer against EAGLE without them. Then, with runs of 8 plain steps,
-how long each step of a run took against plain decoding's median step on the same prompt: why the meter leaves the
-first app.meter.SETTLING steps of a run untimed.
+cost the answer against EAGLE without them. Then, with runs of 8 plain steps, how long each step of a run took
+against plain decoding's median step on the same prompt: why the meter leaves the first app.meter.SETTLING steps of
+a run untimed.
 
     python scripts/meter_accuracy.py [--prompts 6] [--max-new-tokens 512]
 
@@ -37,8 +37,8 @@ def answer(engine: Engine, ids: list[int], params: DecodeParams) -> TurnMeter:
     return turn
 
 
-def meter_against_ratio(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[float]:
-    """Shown × over the measured ratio, per prompt."""
+def meter_against_ratio(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Prints the shown × over the measured ratio, and the metered answer's speed over the unmetered one's."""
     plain = DecodeParams(method="vanilla", max_new_tokens=max_new_tokens)
     eagle = DecodeParams(max_new_tokens=max_new_tokens)
     metered = replace(eagle, plain_every=PLAIN_EVERY, plain_run=PLAIN_RUN)
@@ -46,18 +46,21 @@ def meter_against_ratio(engine: Engine, prompts: list[list[int]], max_new_tokens
     print("prompt  tokens  ratio  shown  timed plain steps  shown/ratio  metered/unmetered")
     for number, ids in enumerate(prompts, start=1):
         before, turn, after = answer(engine, ids, plain), answer(engine, ids, metered), answer(engine, ids, plain)
+        if turn.speedup is None:  # over before a run's settled steps: no × to compare
+            print(f"{number:6d}  {turn.tokens:6d}  no plain step timed in {turn.rounds} rounds")
+            continue
         ratio = turn.tokens_per_s / mean([before.tokens_per_s, after.tokens_per_s])
         errors.append(turn.speedup / ratio)
         costs.append(turn.tokens_per_s / answer(engine, ids, eagle).tokens_per_s)
         print(f"{number:6d}  {turn.tokens:6d}  {ratio:5.2f}  {turn.speedup:5.2f}  {turn.plain.steps:17d}  "
               f"{errors[-1]:11.2f}  {costs[-1]:17.2f}")
-    print(f"mean shown/ratio {mean(errors):.3f} (min {min(errors):.2f}, max {max(errors):.2f}); "
-          f"mean metered/unmetered {mean(costs):.3f}")
-    return errors
+    if errors:
+        print(f"mean shown/ratio {mean(errors):.3f} (min {min(errors):.2f}, max {max(errors):.2f}); "
+              f"mean metered/unmetered {mean(costs):.3f}")
 
 
-def settling(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[float]:
-    """Median time of the k-th step of a run of LONG_RUN plain steps over plain decoding's median step."""
+def settling(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Prints the median time of the k-th step of a run of LONG_RUN plain steps over plain decoding's median step."""
     by_place: list[list[float]] = [[] for _ in range(LONG_RUN)]
     runs = DecodeParams(max_new_tokens=max_new_tokens, plain_every=4 * LONG_RUN, plain_run=LONG_RUN)
     for ids in prompts:
@@ -71,7 +74,6 @@ def settling(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> l
     factors = [median(times) for times in by_place]
     print("k-th plain step of a run / plain decoding's step: "
           + " ".join(f"{k}: {f:.2f}" for k, f in enumerate(factors, start=1)))
-    return factors
 
 
 def main() -> None:

@@ -103,8 +103,8 @@ def test_an_engine_with_another_head_shares_the_model_and_takes_turns(prompt, tm
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("plain_every,plain_run", [(1, 1), (3, 1), (6, 3)])
 def test_timed_plain_rounds_keep_the_output_and_the_drafter_in_step(kind, plain_every, plain_run, prompt):
-    """The meter's in-turn plain steps (runs from every n-th round) commit the base model's own token; the drafter is fed
-    their slot, so the speculative rounds after them still draft (and accept) from the right state."""
+    """The meter's in-turn plain steps (runs of them every n rounds) commit the base model's own token; the drafter
+    is fed their slot, so the speculative rounds after them still draft (and accept) from the right state."""
     engine = tiny_engine("llama-h64-l8-gqa", kind)
     vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=NEW_TOKENS))
     steps = list(engine.generate(prompt, method="eagle", max_new_tokens=NEW_TOKENS, plain_every=plain_every,
