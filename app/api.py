@@ -149,7 +149,7 @@ class Api:
     """The /v1 routes. Until a ChatService is attached (the model loads) they answer 503."""
 
     def __init__(
-        self, access: Access, max_new_tokens: int, defaults: DecodeParams = DecodeParams(),
+        self, access: Access, max_new_tokens: int, defaults: DecodeParams = DecodeParams(gate=True),
         waiting: int = WAITING_REQUESTS,
     ):
         self.access, self.max_new_tokens, self.defaults = access, max_new_tokens, defaults

@@ -42,7 +42,7 @@ FINISH_NOTES = {
 }
 OPTION_TYPES = {  # what each settings control's value becomes (the rest are floats)
     **dict.fromkeys(("max_new_tokens", "total_tokens", "depth", "draft_top_k", "top_k", "seed"), int),
-    "method": str, "context": bool,
+    "method": str, "context": bool, "gate": bool,
 }
 NO_HEAD = "⚠ No draft head is loaded, so there is no EAGLE answer to compare (start the app with --head)."
 
@@ -304,6 +304,8 @@ def _side_panel(handlers: Handlers) -> SidePanel:
                                   info="drafts the head gives less probability are not verified"),
             "context": gr.Checkbox(value=True, label="EAGLE drafts from the context too", elem_id="context",
                                    info="continuations of earlier text join the head's tree"),
+            "gate": gr.Checkbox(value=True, label="The head drafts only where it pays", elem_id="gate",
+                                info="measured in the answer: rounds with the head against rounds without it"),
         }
         provenance = gr.Checkbox(value=True, label="Colour drafted tokens", elem_id="provenance")
     return SidePanel(meter, status, provenance, controls)
@@ -332,8 +334,8 @@ def _wire_chat(handlers: Handlers, conversation: gr.State, chat: ChatTab, side: 
 
 
 def _wire_compare(handlers: Handlers, compare: CompareTab, side: SidePanel) -> None:
-    inputs = dict(text=compare.prompt, provenance=side.provenance,
-                  **{name: side.controls[name] for name in ("max_new_tokens", "total_tokens", "depth", "min_prob")})
+    shared = ("max_new_tokens", "total_tokens", "depth", "min_prob", "gate")
+    inputs = dict(text=compare.prompt, provenance=side.provenance, **{name: side.controls[name] for name in shared})
     outputs = [compare.plain, compare.eagle, compare.verdict, side.meter]
     comparisons = [trigger(handlers.compare, inputs_kwargs=inputs, outputs=outputs, **ENGINE_EVENTS)
                    for trigger in (compare.prompt.submit, compare.button.click)]

@@ -15,6 +15,7 @@ from .cache import GrowingCache
 from .draft.checkpoint import DEFAULT_HEAD, load_head
 from .draft.drafter import Drafter
 from .draft.head import DraftHead
+from .gate import HeadGate
 from .generate import Step, check_prompt, decode
 from .models import DEFAULT_BASE, DEFAULT_DEVICE, auto_dtype, load_base, resolve_dtype
 from .packed import bf16_native, pack_linears, packable_dtypes
@@ -70,6 +71,9 @@ class Engine:
         # None: every generation prefills its whole prompt (the bench sets it so, to time prefills alike).
         self.prefixes = PrefixStore() if self.batch_invariant else None
         self._lock = threading.Lock()
+        # What the head buys on this machine, measured over the rounds of every generation that asks for the gate
+        # (DecodeParams.gate), so each answer starts from what the last ones measured.
+        self.gate = HeadGate()
         on_cpu = model.get_output_embeddings().weight.device.type == "cpu"
         self.threads = ThreadGovernor() if follow_load and on_cpu else None
         eos = model.generation_config.eos_token_id if model.generation_config else None
@@ -188,7 +192,7 @@ class Engine:
                 self.threads.start()
             ids = list(prompt_ids)
             try:
-                for step in decode(self.target, drafter, prompt_ids, params, self.stop_ids, cache):
+                for step in decode(self.target, drafter, prompt_ids, params, self.stop_ids, cache, self.gate):
                     ids += step.tokens
                     yield step
                     if self.threads is not None:
@@ -200,6 +204,8 @@ class Engine:
 
     def _keep(self, ids: list[int], cache: GrowingCache, drafter: Drafter | None) -> None:
         if self.prefixes is not None:
+            if drafter is not None:  # slots the gate deferred: the head's cache then covers the whole prefix
+                drafter.catch_up()
             self.prefixes.put(Prefix(ids, cache, drafter.cache if drafter is not None and drafter.cache else None))
 
     def chat(self, messages: list[dict], params: DecodeParams | None = None, **options) -> Iterator[Step]:

@@ -19,6 +19,7 @@ from transformers import Cache
 from .cache import keep_path
 from .context import ContextIndex
 from .draft.drafter import Drafter
+from .gate import HeadGate
 from .params import DecodeParams
 from .target import Target
 from .tree import DraftTree, graft
@@ -125,14 +126,15 @@ def plain_step(
     target: Target, seq: Sequence, sampling: Sampling, generator: torch.Generator | None,
     drafter: Drafter | None = None,
 ) -> Step:
-    """One base forward for one token: plain decoding. A drafter that will draft again is fed the new slot, the
-    context index the new token."""
+    """One base forward for one token: plain decoding. A drafter that will draft again is handed the new slot, to
+    run at its next proposal (so that a run of plain steps is base forwards back to back, as plain decoding is),
+    the context index the new token."""
     start = time.perf_counter()
     hidden, features = target.forward(torch.tensor([seq.root]), seq.cache)
     seq.root = sampling.pick(target.logits(hidden[-1]), generator)
     verified = time.perf_counter()
     if drafter is not None:
-        drafter.commit(features, torch.tensor([seq.root]))
+        drafter.commit(features, torch.tensor([seq.root]), defer=True)
     seq.remember([seq.root])
     return Step([seq.root], [False], verify_s=verified - start, draft_s=time.perf_counter() - verified, kind="plain")
 
@@ -167,32 +169,34 @@ def accept(verification: Verification, sampling: Sampling, generator: torch.Gene
 
 
 def commit(
-    seq: Sequence, drafter: Drafter | None, verification: Verification, acceptance: Acceptance
+    seq: Sequence, drafter: Drafter | None, verification: Verification, acceptance: Acceptance, defer: bool = False
 ) -> list[int]:
-    """Keep the accepted path in the base cache, give its features to the drafter and its tokens to the context
-    index; returns the new tokens."""
+    """Keep the accepted path in the base cache, give its features to the drafter (deferred: for its next drafting
+    round to run) and its tokens to the context index; returns the new tokens."""
     path = torch.tensor(acceptance.path)
     keep_path(seq.cache, seq.cached, path)
     tokens = acceptance.tokens(verification.tree)
     if drafter is not None:
         features = verification.features[path.to(verification.features.device, non_blocking=True)]
-        drafter.commit(features, torch.tensor(tokens))
+        drafter.commit(features, torch.tensor(tokens), defer)
     seq.remember(tokens)
     seq.root = acceptance.bonus
     return tokens
 
 
 def speculative_round(
-    target: Target, drafter: Drafter | None, seq: Sequence, params: DecodeParams, generator: torch.Generator | None
+    target: Target, drafter: Drafter | None, seq: Sequence, params: DecodeParams, generator: torch.Generator | None,
+    head: bool = True,
 ) -> Step:
-    """Draft a tree from the root, verify it, accept a path, commit it."""
+    """Draft a tree from the root, verify it, accept a path, commit it. head=False: draft from the context alone
+    and defer the drafter's slots (engine.gate)."""
     start = time.perf_counter()
-    tree = draft(drafter, seq, params)
+    tree = draft(drafter if head else None, seq, params)
     drafted = time.perf_counter()
     verification = verify(target, tree, seq)
     acceptance = accept(verification, params.sampling, generator)
     committing = time.perf_counter()
-    tokens = commit(seq, drafter, verification, acceptance)
+    tokens = commit(seq, drafter, verification, acceptance, defer=not head)
     draft_s = (drafted - start) + (time.perf_counter() - committing)  # the drafter's catch-up is drafting work
     return Step(tokens, [True] * (len(tokens) - 1) + [False], draft_s=draft_s, verify_s=verification.seconds,
                 tree_size=len(tree) - 1, from_context=tree.from_context[acceptance.path[1:]].tolist() + [False])
@@ -214,21 +218,25 @@ def finish(step: Step, seq: Sequence, params: DecodeParams, stop_ids: set[int], 
 
 def decode(
     target: Target, drafter: Drafter | None, prompt_ids: list[int], params: DecodeParams,
-    stop_ids: tuple[int, ...] = (), cache: Cache | None = None,
+    stop_ids: tuple[int, ...] = (), cache: Cache | None = None, gate: HeadGate | None = None,
 ) -> Iterator[Step]:
     """Generate from prompt_ids, one Step per base-model forward. Closing the iterator stops decoding at once (at a
     yield, where the cache and the drafter hold exactly the tokens yielded so far, and the ones a cut step dropped).
-    cache: a new one by default; else one holding the prompt's first positions, the drafter the same slots."""
+    cache: a new one by default; else one holding the prompt's first positions, the drafter the same slots.
+    gate: the head gate params.gate asks for, carried over from earlier generations (default: a new one)."""
     check_prompt(prompt_ids, target.max_context)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     stops, sampling = set(stop_ids), params.sampling
     cache = target.new_cache() if cache is None else cache
     seq = Sequence(len(prompt_ids), cache, context=ContextIndex() if params.drafts_from_context else None)
+    gate = (gate or HeadGate()) if params.gated and drafter is not None else None
     start = time.perf_counter()
     step = prefill(target, drafter, prompt_ids, seq, sampling, generator)
     for index in itertools.count():
         step = finish(step, seq, params, stops, target.max_context)
         step.wall_s = time.perf_counter() - start
+        if gate is not None and step.kind == "speculative":  # the meter's plain runs time neither arm
+            gate.observe(len(step.tokens), step.wall_s)
         yield step
         if step.finish_reason:
             return
@@ -237,6 +245,6 @@ def decode(
         drafts = drafter is not None or seq.context is not None
         drafting = drafts and seq.cached + params.max_levels + 1 <= target.max_context
         if drafting and not params.plain_round(index):
-            step = speculative_round(target, drafter, seq, params, generator)
+            step = speculative_round(target, drafter, seq, params, generator, head=gate is None or gate.head)
         else:
             step = plain_step(target, seq, sampling, generator, drafter if drafting else None)

@@ -32,6 +32,9 @@ class DecodeParams:
     # not change (a plain step commits what the round would have: the base model's own token).
     plain_every: int = 0
     plain_run: int = 1
+    # eagle: draft with the head only in the rounds where measuring says it pays (engine.gate); off, the head drafts
+    # every round, as EAGLE does. Either way the output has the same law (greedy: the same tokens); see `gated`.
+    gate: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -48,6 +51,13 @@ class DecodeParams:
     @property
     def drafts_from_context(self) -> bool:
         return self.context is not None and self.method != "vanilla"
+
+    @property
+    def gated(self) -> bool:
+        """Whether the head gate decides the rounds: asked for, unless a seed is: a seeded sampler's draws follow
+        the drafts, and the gate's choices follow the machine's timing, so the same seed would not give the same
+        answer twice."""
+        return self.gate and self.method == "eagle" and (self.sampling.greedy or self.seed is None)
 
     @property
     def max_levels(self) -> int:

@@ -7,6 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from engine import Engine
 from engine.draft.checkpoint import new_head, place_head
+from engine.gate import HeadGate
 from engine.packed import packable_dtypes
 
 # Tiny models gain nothing from threads, and extra threads thrash when several test processes share the CPU.
@@ -65,6 +66,14 @@ def tiny_engine(
 # A dynamic tree that branches and reaches three levels: lossless tests need tree rows that see different
 # ancestors (the default tree drafts a single token, the fastest on the development CPU).
 BRANCHING = dict(total_tokens=8, depth=2, draft_top_k=4)
+
+
+class Alternating(HeadGate):
+    """The head gate's windows, but its arms in turn whatever their speeds (as an engine's gate): every kind of
+    switch happens, slots deferred and caught up."""
+
+    def _next_arm(self) -> bool:
+        return not self.head
 
 
 def tokens_of(steps) -> list[int]:

@@ -131,7 +131,9 @@ def test_greedy_answer_streamed_or_whole_is_the_engines_own(client, engine, ids)
     figures = whole.model_extra["eagle"]
     assert figures["method"] == "eagle" and figures["accepted_tokens"] > 0 and figures["tau"] > 1, figures
     assert figures["tokens_per_s"] > 0 and figures["rounds"] < SHORT  # drafts accepted: fewer rounds than tokens
-    assert chunks[-2].model_extra["eagle"]["accepted_tokens"] == figures["accepted_tokens"]
+    for answer in (figures, chunks[-2].model_extra["eagle"]):  # the head gate may draft the two differently
+        # a round commits its accepted drafts and one token of the base model's, but the last may be cut before it
+        assert answer["method"] == "eagle" and SHORT - 1 - answer["rounds"] - answer["accepted_tokens"] in (0, -1)
 
 
 def test_sampling_follows_temperature_top_p_and_seed(client, engine, ids):

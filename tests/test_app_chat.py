@@ -40,7 +40,7 @@ def handlers(service) -> Handlers:
 def settings(**changes) -> dict:
     """The settings controls' values, by the names the page passes them under."""
     return {"method": "eagle", "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12, "total_tokens": 8, "depth": 3,
-            "min_prob": 0.0, "context": True, **changes}
+            "min_prob": 0.0, "context": True, "gate": True, **changes}
 
 
 def test_the_settings_reach_the_decode_parameters(handlers):
@@ -49,6 +49,7 @@ def test_the_settings_reach_the_decode_parameters(handlers):
     assert params.tree.min_prob == 0.25
     assert params.context is not None and params.plain_every > 0
     assert handlers.params(**settings(context=False)).context is None
+    assert params.gated and not handlers.params(**settings(gate=False)).gate
     assert handlers.params(**settings(method="suffix")).method == "suffix"
     assert handlers.service.methods == ("eagle", "suffix", "vanilla")
 

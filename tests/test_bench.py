@@ -98,6 +98,7 @@ def test_json_schema_and_tau(assets, report):
     assert saved["summary"]["hf"]["tau"] == 1.0  # plain generate: one forward per token, counted by the hook
     assert saved["summary"]["eagle"]["draft_ms"] > 0 and saved["summary"]["hf"]["draft_ms"] is None
     assert saved["summary"]["e1"]["draft_ms"] > 0  # the EAGLE-1 head drafted
+    assert saved["summary"]["eagle-gated"]["draft_ms"] > 0  # its head drafted in the gate's first window at least
 
 
 def test_tau_is_new_tokens_per_round_of_the_engine_run_alone(assets, report):
@@ -135,7 +136,7 @@ def test_tau_by_category_is_reported(report, capsys):
 def test_greedy_methods_equal_vanilla(report):
     for q in report["questions"]:
         vanilla = q["results"]["vanilla"]["token_ids"]
-        for method in ("eagle", "hf", "hf-pld", "e1"):
+        for method in ("eagle", "eagle-gated", "hf", "hf-pld", "e1"):
             assert q["results"][method]["token_ids"] == vanilla, (q["question_id"], method)
     assert all(s["matches_vanilla"] == len(QUESTIONS) for s in report["summary"].values())
 

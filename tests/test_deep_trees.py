@@ -31,8 +31,8 @@ class OracleDrafter:
     def reset(self) -> None:
         self.history = self.prompt[:1]
 
-    def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        self.history += next_tokens.tolist()
+    def commit(self, features: torch.Tensor, next_tokens: torch.Tensor, defer: bool = False) -> None:
+        self.history += next_tokens.tolist()  # it runs no head: a deferred slot is as good as a run one
 
     def propose(self, root: int, tree: DynamicTree) -> DraftTree:
         assert self.history[-1] == root, "the drafter must have been given every committed token"

@@ -15,7 +15,9 @@ class Drafter:
     not the whole context as concatenation did.
 
     Slot p pairs the base feature after token p with token p+1, so each round commits the features of the
-    accepted path together with the tokens that follow them (the accepted drafts, then the bonus token).
+    accepted path together with the tokens that follow them (the accepted drafts, then the bonus token). Rounds
+    that do not draft with the head (engine.gate) may defer their slots: the next commit or proposal runs the head
+    over all of them in one call, a few rows costing about what one does.
     """
 
     def __init__(self, head: DraftHead):
@@ -25,14 +27,21 @@ class Drafter:
         self.cache: list[GrowingLayer] = []  # one per head layer, created by the first commit
         self._fed = 0  # tree nodes of this proposal written after the committed slots
         self._last_hidden: torch.Tensor | None = None
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # slots committed but not yet run through the head
 
     @property
     def length(self) -> int:
+        """Slots the head's cache holds."""
         return self.cache[0].length if self.cache else 0
+
+    @property
+    def deferred(self) -> int:
+        """Slots committed with defer, not yet run through the head."""
+        return sum(len(tokens) for _, tokens in self._deferred)
 
     def reset(self, cache: list[GrowingLayer] | None = None) -> None:
         """Start over, or from `cache` (a kept prefix's slots: engine.prefixes)."""
-        self.cache, self._fed = cache or [], 0
+        self.cache, self._fed, self._deferred = cache or [], 0, []
 
     def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
              from_target: bool, start: int) -> torch.Tensor:
@@ -45,8 +54,24 @@ class Drafter:
         return out
 
     @torch.inference_mode()
-    def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Append slots (features[i], next_tokens[i]); keep the head's output at the last one for the next tree."""
+    def commit(self, features: torch.Tensor, next_tokens: torch.Tensor, defer: bool = False) -> None:
+        """Append slots (features[i], next_tokens[i]); keep the head's output at the last one for the next tree.
+        defer: only remember them, for the next commit or proposal to run."""
+        self._deferred.append((features, next_tokens))
+        if not defer:
+            self.catch_up()
+
+    @torch.inference_mode()
+    def catch_up(self) -> None:
+        """Run the head over the deferred slots, if any."""
+        if not self._deferred:
+            return
+        if len(self._deferred) == 1:
+            (features, next_tokens), = self._deferred
+        else:
+            features = torch.cat([f.to(self.device) for f, _ in self._deferred])
+            next_tokens = torch.cat([t for _, t in self._deferred])
+        self._deferred = []
         t, n = len(next_tokens), self.length
         positions = torch.arange(n, n + t, device=self.device)
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
@@ -61,6 +86,7 @@ class Drafter:
     @torch.inference_mode()
     def propose(self, root: int, tree: TreeSpec) -> DraftTree:
         """Grow the tree `tree` specifies under `root`, from the head's output at the last committed slot."""
+        self.catch_up()
         self._fed = 0
         return tree.grow(self, root, self._last_hidden)
 

@@ -6,6 +6,8 @@ Methods:
            grafted on (--no-suffix: the head alone)
   suffix   the engine drafting from the context alone (what followed the longest earlier match of the text's end,
            engine/context.py): no head needed
+  eagle-gated  eagle with the head gate (engine/gate.py): the head drafts only in the rounds where measuring in the
+           answer says it pays, the context alone in the others
   hf       transformers `generate` on the same model, as transformers runs it (stock layers, SDPA attention), in
            the engine's dtype (beside the q4 kernels: bfloat16 on a CPU with native bf16, transformers' faster
            dtype there, else float32) or --hf-dtype's
@@ -63,7 +65,8 @@ from .llamacpp import LlamaCpp, decode_tokens_per_s
 from .report import add_speedups, exactness_warnings, plot, print_table, summarize
 from .runs import SHARED_QUESTIONS, Run, first_turn_prompts, load_questions, run_engine, run_hf
 
-METHODS = (*ENGINE_METHODS, "hf", "hf-pld")
+GATED = "eagle-gated"
+METHODS = (*ENGINE_METHODS, GATED, "hf", "hf-pld")
 PEERS = ("llama.cpp",)  # other runners, from optional packages (requirements-bench.txt): only when asked for
 WARMUP_TOKENS = 8
 
@@ -125,8 +128,8 @@ def run_method(engines: dict[str, Engine], hf_model: PreTrainedModel, method: st
                params: DecodeParams, llama: LlamaCpp | None = None) -> Run:
     """engines: the main engine under each engine method's name, and one per --compare-head name."""
     if method in engines:
-        return run_engine(engines[method], prompt,
-                          params.with_options(method=method if method in ENGINE_METHODS else "eagle"))
+        options = {"method": method} if method in ENGINE_METHODS else {"method": "eagle", "gate": method == GATED}
+        return run_engine(engines[method], prompt, params.with_options(**options))
     if method == "llama.cpp":
         return llama.run(prompt, params)
     return run_hf(engines["vanilla"], hf_model, prompt, params, lookup=method == "hf-pld")
@@ -200,22 +203,23 @@ def check_args(args: argparse.Namespace) -> Setup:
 
 
 def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
-    """The engine under each of ENGINE_METHODS (eagle only with a head), and one per --compare-head name; setup.methods
-    loses eagle when there is no head and gains the compared heads' names."""
+    """The engine under each of ENGINE_METHODS and eagle-gated (those two only with a head), and one per
+    --compare-head name; setup.methods loses them when there is no head and gains the compared heads' names."""
     head = None if args.head.lower() == "none" else args.head
     engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
                          pack=args.pack, follow_load=args.follow_load, kernels=args.kernels)
-    engines = dict.fromkeys(ENGINE_METHODS, engine)
+    engines = dict.fromkeys((*ENGINE_METHODS, GATED), engine)
     for name, compare_head in setup.compare_heads.items():
         try:
             engines[name] = engine.with_head(compare_head)
         except (ValueError, OSError) as err:
             raise ValueError(f"--compare-head {name}: {err}") from err
         setup.methods.append(name)
-    if "eagle" in setup.methods and engine.head is None:
-        reason = "--head none" if head is None else f"the shipped head {DEFAULT_HEAD} is missing or not for this base"
-        print(f"note: skipping method eagle: no draft head ({reason}); pass --head FOLDER", file=sys.stderr)
-        setup.methods.remove("eagle")
+    for method in ("eagle", GATED):
+        if method in setup.methods and engine.head is None:
+            reason = "--head none" if head is None else f"the shipped head {DEFAULT_HEAD} is missing or not for this base"
+            print(f"note: skipping method {method}: no draft head ({reason}); pass --head FOLDER", file=sys.stderr)
+            setup.methods.remove(method)
     if not setup.methods:
         raise ValueError("no method left to run")
     for each in engines.values():  # every method prefills each prompt in full, the one after another's too
