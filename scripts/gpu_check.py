@@ -9,10 +9,12 @@ Stages, each guarded (one that fails, or exits, leaves the others' results; the 
   tiny         greedy EAGLE == greedy vanilla on tiny random models, every head kind and tree, in float32 (exact by
                construction) and bfloat16 (a tree and a one-token step run different kernels: measured, not assumed)
   quantized    the same on bitsandbytes tiny models
-  llama        a random-weight Llama-3.1-8B-shape base with a random EAGLE-3 head, in bf16 (and 4-bit): vanilla, hf and
-               eagle on this script's prompts (tok/s, tau, exact-match fraction), one verification forward by tree
+  llama        a random-weight Llama-3.1-8B-shape base with a random EAGLE-3 head, in bf16 (and 4-bit): vanilla, hf,
+               eagle and eagle-gated (the head gate, engine/gate.py) on this script's prompts (tok/s, tau, exact-match
+               fraction), one verification forward by tree
                size over a 512- and a 4k-token cache (x one plain step), and peak GPU memory after a 4k-token prompt
-  embedded     the embedded SmolLM2 with its shipped head: the same three methods, where tau means something
+  embedded     the embedded SmolLM2 with its shipped head: the same methods, where tau means something (and
+               eagle-gated's tau says how much of the time the gate lets the head draft on this device)
 
 A random head drafts a random model badly (tau near 1): the llama stage measures what drafting and verification cost
 on this GPU, which sets the GPU tree defaults; acceptance comes from the embedded stage.
@@ -64,6 +66,7 @@ OPTIONAL_WHEELS = {
 LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
 DRAFT_VOCAB = 32000  # EAGLE3-LLaMA3.1-Instruct-8B's draft vocabulary
+COMPARED = ("eagle", "eagle-gated")  # engine methods held to vanilla's tokens; the second with the head gate on
 # This script's own prompts. The random models have no tokenizer: they read the prompts' UTF-8 bytes as token ids.
 PROMPTS = [
     "Write a short poem about the sea at night, in four lines.",
@@ -224,11 +227,12 @@ def random_llama(s: Settings, folder: Path, quantization: str) -> Engine:
     return Engine(model, ByteIds(), place_head(head, model))
 
 
-def three_methods(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
-    """vanilla, hf and eagle on each prompt after a short warm-up: the benchmark's summary plus, for hf and eagle,
-    the share of prompts whose greedy tokens equal vanilla's and the common-prefix fraction."""
+def method_table(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """vanilla, hf, eagle and eagle-gated (whether the head gate keeps the head on this device) on each prompt after
+    a short warm-up: the benchmark's summary plus, for the last three, the share of prompts whose greedy tokens
+    equal vanilla's and the common-prefix fraction."""
     runs = {}
-    for method in ("vanilla", "hf", "eagle"):
+    for method in ("vanilla", "hf", *COMPARED):
         def run(prompt, tokens):
             if method == "hf":
                 return run_hf(engine, engine.model, prompt, engine_params(tokens), lookup=False)
@@ -238,7 +242,7 @@ def three_methods(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
         runs[method] = [run(prompt, new_tokens) for prompt in prompts]
     summary = {m: summarize(r, runs["vanilla"], ["own"] * len(prompts)) for m, r in runs.items()}
     add_speedups(summary)
-    for method in ("hf", "eagle"):
+    for method in ("hf", *COMPARED):
         rows = [agreement(a.token_ids, b.token_ids) for a, b in zip(runs[method], runs["vanilla"])]
         summary[method]["exact_fraction"] = sum(r["exact"] for r in rows) / len(rows)
         summary[method]["common_prefix_fraction"] = sum(r["common_prefix"] for r in rows) / sum(r["tokens"] for r in rows)
@@ -246,6 +250,8 @@ def three_methods(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
 
 
 def engine_params(tokens: int, method: str = "vanilla") -> DecodeParams:
+    if method == "eagle-gated":
+        return DecodeParams(method="eagle", max_new_tokens=tokens, gate=True)
     return DecodeParams(method=method, max_new_tokens=tokens)
 
 
@@ -277,7 +283,7 @@ def llama(s: Settings) -> list[dict]:
 
             def case():
                 engine = random_llama(s, Path(folder), quantization)
-                result = {"prompts": len(prompts), "methods": three_methods(engine, prompts, s.new_tokens),
+                result = {"prompts": len(prompts), "methods": method_table(engine, prompts, s.new_tokens),
                           "verification": {str(n): verification_curve(engine.target, s.tree_sizes, n, s.repeats)
                                            for n in s.cache_tokens},
                           "memory": peak_memory(engine, s)}
@@ -299,7 +305,7 @@ def embedded(s: Settings) -> list[dict]:
         def case():
             engine = Engine.load(head=DEFAULT_HEAD, device=s.device, dtype=dtype, pack=False)
             prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: s.prompts]]
-            return {"prompts": len(prompts), "methods": three_methods(engine, prompts, s.new_tokens)}
+            return {"prompts": len(prompts), "methods": method_table(engine, prompts, s.new_tokens)}
 
         rows.append(guarded(f"embedded {dtype}", case))
     return rows
@@ -414,12 +420,12 @@ def report(results: dict, file=None) -> None:
 
 
 def report_model(row: dict, file=None) -> None:
-    """One model's three methods, its verification curves and its peak memory."""
+    """One model's methods, its verification curves and its peak memory."""
     p = functools.partial(print, file=file)
     methods = row["methods"]
     p(f"  {row['case']}")
     print_table(methods, row["prompts"], file=file)
-    for method in ("hf", "eagle"):
+    for method in ("hf", *COMPARED):
         p(f"  {method}: exact-match fraction {methods[method]['exact_fraction']:.2f}, common-prefix fraction "
           f"{methods[method]['common_prefix_fraction']:.3f}")
     for cache, curve in row.get("verification", {}).items():

