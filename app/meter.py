@@ -85,6 +85,7 @@ class TurnMeter:
     speculative: Rate = field(default_factory=Rate)  # rounds that verified a drafted tree
     plain: Rate = field(default_factory=Rate)  # settled plain steps, timed as plain decoding (drafter upkeep left out)
     per_round: list[int] = field(default_factory=list)  # tokens committed by each round (accepted drafts + 1)
+    head_rounds: int = 0  # speculative rounds the draft head took part in (the head gate may rest it)
     finish_reason: str | None = None
     plain_streak: int = 0  # plain steps in a row up to the last one added
 
@@ -99,6 +100,7 @@ class TurnMeter:
             self.plain.add(len(step.tokens), step.wall_s - step.draft_s)
         elif step.kind != "plain":
             self.speculative.add(len(step.tokens), step.wall_s, group=step.tree_size)
+            self.head_rounds += step.with_head
         self.per_round.append(len(step.tokens))
 
     @property
@@ -238,7 +240,8 @@ def turn_log_line(turn: TurnMeter) -> str:
     if turn.speedup_error is not None:
         speedup += f" ± {100 * turn.speedup_error:.0f} %"
     return (f"turn: {turn.method}, {turn.tokens} tokens in {turn.rounds} rounds, {_figure(turn.tokens_per_s, 1)} tok/s, "
-            f"tau {_figure(turn.tau, 2)}, plain {_figure(turn.plain_per_s, 1)} tok/s over {turn.plain.steps} steps, "
+            f"tau {_figure(turn.tau, 2)}, head in {turn.head_rounds} of {turn.speculative.steps} drafting rounds, "
+            f"plain {_figure(turn.plain_per_s, 1)} tok/s over {turn.plain.steps} steps, "
             f"{turn.hiccups} held up, "
             f"shown {speedup}, prefill {turn.prefill_s * 1000:.0f} ms, {turn.finish_reason or 'stopped'}")
 

@@ -43,6 +43,7 @@ class Step:
     finish_reason: str | None = None  # "eos", "length", "context" on the last step
     kind: str = "speculative"  # "prefill", "speculative" (a drafted tree verified) or "plain" (one token)
     from_context: list[bool] = field(default_factory=list)  # per token: drafted from the context, not by the head
+    with_head: bool = False  # a speculative round the draft head took part in (engine.gate may rest it)
 
     def __post_init__(self):
         self.from_context = self.from_context or [False] * len(self.tokens)
@@ -199,7 +200,8 @@ def speculative_round(
     tokens = commit(seq, drafter, verification, acceptance, defer=not head)
     draft_s = (drafted - start) + (time.perf_counter() - committing)  # the drafter's catch-up is drafting work
     return Step(tokens, [True] * (len(tokens) - 1) + [False], draft_s=draft_s, verify_s=verification.seconds,
-                tree_size=len(tree) - 1, from_context=tree.from_context[acceptance.path[1:]].tolist() + [False])
+                tree_size=len(tree) - 1, from_context=tree.from_context[acceptance.path[1:]].tolist() + [False],
+                with_head=head and drafter is not None)
 
 
 def finish(step: Step, seq: Sequence, params: DecodeParams, stop_ids: set[int], max_context: int) -> Step:

@@ -82,7 +82,8 @@ def test_gated_greedy_equals_vanilla(kind, switching, prompt):
                                   **BRANCHING))
     assert tokens_of(steps) == vanilla
     rounds = [s for s in steps if s.kind == "speculative"]
-    assert any(s.tree_size > 0 for s in rounds) and any(s.tree_size == 0 for s in rounds), "one arm never ran"
+    assert any(s.with_head for s in rounds) and not all(s.with_head for s in rounds), "one arm never ran"
+    assert all(s.with_head == (s.tree_size > 0) for s in rounds)  # no context: the head drafts or nothing does
     assert sum(s.accepted for s in steps) > 0
 
 
@@ -141,3 +142,11 @@ def test_a_seeded_sampler_keeps_the_head_drafting_so_the_seed_repeats_the_answer
     assert DecodeParams(gate=True).gated and DecodeParams(gate=True, seed=5).with_options(temperature=0).gated
     assert not DecodeParams(gate=True, seed=5).with_options(temperature=0.9).gated
     assert not DecodeParams(gate=True, method="suffix").gated
+
+
+def test_rounds_say_whether_the_head_took_part(prompt):
+    engine = tiny_engine("llama-h64-l8-gqa", "eagle3")
+    for method, gate, head in (("eagle", False, True), ("suffix", False, False), ("vanilla", True, False)):
+        steps = list(engine.generate(prompt, method=method, max_new_tokens=30, gate=gate))
+        assert all(s.with_head == head for s in steps if s.kind == "speculative")
+        assert not any(s.with_head for s in steps if s.kind != "speculative")

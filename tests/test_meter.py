@@ -152,10 +152,12 @@ def test_log_line_names_what_the_page_shows():
     turn.add(step(0, 0.2, kind="prefill"))
     turn.add(step(2, 0.3))
     plain_run(turn, [0.2])
-    turn.add(step(2, 0.3, finish="eos"))
+    with_head = step(2, 0.3, finish="eos")
+    with_head.with_head = True
+    turn.add(with_head)
     line = turn_log_line(turn)
     assert line.startswith(f"turn: eagle, {7 + SETTLING} tokens in {3 + SETTLING} rounds") and f"shown {turn.speedup:.2f}x" in line
-    assert "tau 3.00" in line and "eos" in line
+    assert "tau 3.00" in line and "head in 1 of 2 drafting rounds" in line and "eos" in line
 
 
 def test_status_line():
