@@ -49,6 +49,7 @@ from engine.models import auto_dtype, load_model  # noqa: E402
 from engine.placement import gpu_budgets, plan_device_map  # noqa: E402
 from engine.tools import print_table, run_engine, run_hf, summarize, verification_curve  # noqa: E402
 from engine.tools.report import add_speedups  # noqa: E402
+from engine.tools.bench import GATED, engine_options  # noqa: E402
 
 _threads = torch.get_num_threads()
 import conftest  # noqa: E402  (it pins one CPU thread for the test suite; the check keeps the machine's setting)
@@ -66,7 +67,7 @@ OPTIONAL_WHEELS = {
 LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
 DRAFT_VOCAB = 32000  # EAGLE3-LLaMA3.1-Instruct-8B's draft vocabulary
-COMPARED = ("eagle", "eagle-gated")  # engine methods held to vanilla's tokens; the second with the head gate on
+COMPARED = ("eagle", GATED)  # engine methods held to vanilla's tokens; the second with the head gate on
 # This script's own prompts. The random models have no tokenizer: they read the prompts' UTF-8 bytes as token ids.
 PROMPTS = [
     "Write a short poem about the sea at night, in four lines.",
@@ -250,9 +251,7 @@ def method_table(engine: Engine, prompts: list[list[int]], new_tokens: int) -> d
 
 
 def engine_params(tokens: int, method: str = "vanilla") -> DecodeParams:
-    if method == "eagle-gated":
-        return DecodeParams(method="eagle", max_new_tokens=tokens, gate=True)
-    return DecodeParams(method=method, max_new_tokens=tokens)
+    return DecodeParams(max_new_tokens=tokens).with_options(**engine_options(method))
 
 
 def peak_memory(engine: Engine, s: Settings) -> dict:

@@ -69,7 +69,7 @@ class Drafter:
         if len(self._deferred) == 1:
             (features, next_tokens), = self._deferred
         else:
-            features = torch.cat([f.to(self.device) for f, _ in self._deferred])
+            features = torch.cat([f for f, _ in self._deferred])
             next_tokens = torch.cat([t for _, t in self._deferred])
         self._deferred = []
         t, n = len(next_tokens), self.length

@@ -124,12 +124,17 @@ def decode_params(args: argparse.Namespace) -> DecodeParams:
                                        seed=args.seed, tree=args.tree, context=args.context, **tree_options)
 
 
+def engine_options(method: str) -> dict:
+    """The DecodeParams options of a method the engine runs: vanilla, eagle and suffix as named, eagle-gated eagle
+    with the head gate, a --compare-head name eagle (with that engine's head)."""
+    return {"method": method} if method in ENGINE_METHODS else {"method": "eagle", "gate": method == GATED}
+
+
 def run_method(engines: dict[str, Engine], hf_model: PreTrainedModel, method: str, prompt: list[int],
                params: DecodeParams, llama: LlamaCpp | None = None) -> Run:
     """engines: the main engine under each engine method's name, and one per --compare-head name."""
     if method in engines:
-        options = {"method": method} if method in ENGINE_METHODS else {"method": "eagle", "gate": method == GATED}
-        return run_engine(engines[method], prompt, params.with_options(**options))
+        return run_engine(engines[method], prompt, params.with_options(**engine_options(method)))
     if method == "llama.cpp":
         return llama.run(prompt, params)
     return run_hf(engines["vanilla"], hf_model, prompt, params, lookup=method == "hf-pld")
