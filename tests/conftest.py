@@ -7,6 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from engine import Engine
 from engine.draft.checkpoint import new_head, place_head
+from engine.draft.drafter import Drafter
 from engine.gate import HeadGate
 from engine.packed import packable_dtypes
 
@@ -74,6 +75,18 @@ class Alternating(HeadGate):
 
     def _next_arm(self) -> bool:
         return not self.head
+
+
+def assert_drafter_holds(engine: Engine, drafter: Drafter, text: list[int]) -> None:
+    """The drafter's cache is what committing the text's true features from scratch builds: its slot p pairs the
+    base features after text[p] with text[p + 1]."""
+    _, features = engine.target.forward(torch.tensor(text[:-1]), engine.target.new_cache())
+    fresh = Drafter(engine.head)
+    fresh.commit(features, torch.tensor(text[1:]))
+    assert drafter.length == fresh.length == len(text) - 1
+    for layer, fresh_layer in zip(drafter.cache, fresh.cache, strict=True):
+        torch.testing.assert_close(layer.keys, fresh_layer.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer.values, fresh_layer.values, rtol=1e-4, atol=1e-4)
 
 
 def tokens_of(steps) -> list[int]:

@@ -2,9 +2,8 @@
 the accepted text's true features from scratch builds. Feeding it the wrong tree nodes' features, or none, only
 makes drafts worse, which greedy equality cannot see; this can."""
 import pytest
-import torch
 
-from conftest import tiny_engine
+from conftest import assert_drafter_holds, tiny_engine
 from engine.draft.drafter import Drafter
 from engine.generate import decode
 from engine.params import DecodeParams
@@ -26,11 +25,5 @@ def test_after_each_round_the_drafter_holds_the_accepted_texts_features(kind, tr
         if drafter.deferred:  # a timed plain step's slot waits for the next round's proposal
             assert step.kind == "plain"
             continue
-        _, features = engine.target.forward(torch.tensor(text[:-1]), engine.target.new_cache())
-        fresh = Drafter(engine.head)
-        fresh.commit(features, torch.tensor(text[1:]))
-        assert drafter.length == fresh.length == len(text) - 1
-        for layer, fresh_layer in zip(drafter.cache, fresh.cache, strict=True):
-            torch.testing.assert_close(layer.keys, fresh_layer.keys, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(layer.values, fresh_layer.values, rtol=1e-4, atol=1e-4)
+        assert_drafter_holds(engine, drafter, text)
     assert accepted > 3, "too few drafts accepted for the catch-up to be tested"

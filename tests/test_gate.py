@@ -1,9 +1,8 @@
 """The head gate: which arm gets the rounds (from measured speeds), and that switching arms keeps the output and the
 drafter's state right (slots deferred while the head rests, caught up when it drafts again)."""
 import pytest
-import torch
 
-from conftest import BRANCHING, Alternating, tiny_engine, tokens_of
+from conftest import BRANCHING, Alternating, assert_drafter_holds, tiny_engine, tokens_of
 from engine import DecodeParams
 from engine.draft.drafter import Drafter
 from engine.gate import EXPLORING_COST, MAX_PERIOD, HeadGate
@@ -103,11 +102,7 @@ def test_deferred_slots_are_caught_up_to_the_accepted_texts_features(kind, promp
         waited += drafter.deferred > 0
         if drafter.deferred == 0 and step.kind == "speculative" and step.tree_size > 0:
             caught_up += 1
-            _, features = engine.target.forward(torch.tensor(text[:-1]), engine.target.new_cache())
-            fresh = Drafter(engine.head)
-            fresh.commit(features, torch.tensor(text[1:]))
-            for layer, fresh_layer in zip(drafter.cache, fresh.cache, strict=True):
-                torch.testing.assert_close(layer.keys, fresh_layer.keys, rtol=1e-4, atol=1e-4)
+            assert_drafter_holds(engine, drafter, text)
     assert waited > 3 and caught_up > 3, (waited, caught_up)
 
 
