@@ -125,7 +125,8 @@ class ChatService:
             f"tokens and needs room for its answer, so keep a message under {self.engine.max_context - room} tokens"
         )
 
-    def stream(self, prompt_ids: list[int], params: DecodeParams, every_s: float = 0.0) -> Iterator[tuple[Answer, TurnMeter]]:
+    def stream(self, prompt_ids: list[int], params: DecodeParams,
+               every_s: float = 0.0) -> Iterator[tuple[Answer, TurnMeter]]:
         """Answer a prompt, yielding the first round, the last, and between them the latest state at most every
         `every_s`. Decoding runs ahead on the engine thread meanwhile. Closing the iterator stops the engine after
         the round in progress."""

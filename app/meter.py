@@ -239,8 +239,9 @@ def turn_log_line(turn: TurnMeter) -> str:
     speedup = "–" if turn.speedup is None else f"{turn.speedup:.2f}x"
     if turn.speedup_error is not None:
         speedup += f" ± {100 * turn.speedup_error:.0f} %"
-    return (f"turn: {turn.method}, {turn.tokens} tokens in {turn.rounds} rounds, {_figure(turn.tokens_per_s, 1)} tok/s, "
-            f"tau {_figure(turn.tau, 2)}, head in {turn.head_rounds} of {turn.speculative.steps} drafting rounds, "
+    return (f"turn: {turn.method}, {turn.tokens} tokens in {turn.rounds} rounds, "
+            f"{_figure(turn.tokens_per_s, 1)} tok/s, tau {_figure(turn.tau, 2)}, "
+            f"head in {turn.head_rounds} of {turn.speculative.steps} drafting rounds, "
             f"plain {_figure(turn.plain_per_s, 1)} tok/s over {turn.plain.steps} steps, "
             f"{turn.hiccups} held up, "
             f"shown {speedup}, prefill {turn.prefill_s * 1000:.0f} ms, {turn.finish_reason or 'stopped'}")

@@ -141,5 +141,6 @@ def truncate(cache: GrowingCache, length: int) -> None:
 
 def _growing_layers(cache: Cache) -> list[GrowingLayer]:
     if not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
-        raise TypeError(f"compacting the cache in place needs a GrowingCache (Target.new_cache), not {type(cache).__name__}")
+        raise TypeError("compacting the cache in place needs a GrowingCache (Target.new_cache), "
+                        f"not {type(cache).__name__}")
     return cache.layers

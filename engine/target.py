@@ -36,7 +36,8 @@ class Target:
             hook.remove()
         self._hooks, self.feature_layers = [], layers
         for index in layers or []:
-            self._hooks.append(self.body.layers[index].register_forward_pre_hook(self._capture(index), with_kwargs=True))
+            layer = self.body.layers[index]
+            self._hooks.append(layer.register_forward_pre_hook(self._capture(index), with_kwargs=True))
 
     def _capture(self, index: int):
         def hook(module, args, kwargs):

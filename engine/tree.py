@@ -88,7 +88,8 @@ class _FedNodes:
         padded = torch.cat([self.rows, torch.zeros(1, n, dtype=torch.bool, device=device)], 0)
         inherited = padded[torch.where(parent_rows >= 0, parent_rows, n)]
         new_rows = torch.cat([inherited, torch.eye(b, dtype=torch.bool, device=device)], dim=1)
-        self.rows = torch.cat([torch.cat([self.rows, torch.zeros(n, b, dtype=torch.bool, device=device)], 1), new_rows], 0)
+        widened = torch.cat([self.rows, torch.zeros(n, b, dtype=torch.bool, device=device)], 1)
+        self.rows = torch.cat([widened, new_rows], 0)
         return self.expander.expand(hidden, tokens, level, new_rows)
 
 

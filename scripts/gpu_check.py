@@ -246,7 +246,8 @@ def method_table(engine: Engine, prompts: list[list[int]], new_tokens: int) -> d
     for method in ("hf", *COMPARED):
         rows = [agreement(a.token_ids, b.token_ids) for a, b in zip(runs[method], runs["vanilla"])]
         summary[method]["exact_fraction"] = sum(r["exact"] for r in rows) / len(rows)
-        summary[method]["common_prefix_fraction"] = sum(r["common_prefix"] for r in rows) / sum(r["tokens"] for r in rows)
+        common = sum(r["common_prefix"] for r in rows)
+        summary[method]["common_prefix_fraction"] = common / sum(r["tokens"] for r in rows)
     return summary
 
 
@@ -327,8 +328,9 @@ def environment(s: Settings) -> dict:
             **{name: None if missing(name) else installed(name.replace("_", "-")) for name in OPTIONAL_WHEELS},
             "missing_wheels": [r for r in map(missing, OPTIONAL_WHEELS) if r], "auto_dtype": auto_dtype("auto")}
     if torch.cuda.is_available():
-        info["gpus"] = [f"{torch.cuda.get_device_name(i)}, {torch.cuda.get_device_properties(i).total_memory / 2**30:.1f}"
-                        " GiB" for i in range(torch.cuda.device_count())]
+        info["gpus"] = [f"{torch.cuda.get_device_name(i)}, "
+                        f"{torch.cuda.get_device_properties(i).total_memory / 2**30:.1f} GiB"
+                        for i in range(torch.cuda.device_count())]
         config = LlamaConfig(**LLAMA_31_8B)
         info["llama_3.1_8b_placement"] = {
             f"{dtype} {q}": _devices(plan_device_map(config, getattr(torch, dtype), q, gpu_budgets()))

@@ -12,7 +12,9 @@ from pathlib import Path
 from playwright.sync_api import sync_playwright
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.browser import ROOT, launch_chromium, open_app, send, set_number, start_app, stop_app, wait_for_answer  # noqa: E402
+from scripts.browser import (  # noqa: E402
+    ROOT, launch_chromium, open_app, send, set_number, start_app, stop_app, wait_for_answer,
+)
 
 PROMPT = "Explain what a hash table is, with a small Python example."
 MAX_BYTES = 300_000

@@ -51,8 +51,8 @@ CALL_MIB = 64  # what one device call takes, this checkout included
 RETURN_MIB = 15  # under the 16 MiB a returned file may hold
 # The committed self-distilled records (README, "How the shipped head was trained", step 9 on): left out of the
 # prompts, trained on beside the new replies; the first file's every 40th record is the validation set.
-COMMITTED = tuple(ROOT / "data" / "selfdistill" / name for name in ("smollm2-int8-2000.npz", "smollm2-int8-turns.npz",
-                                                                   "smollm2-int8-turns-2.npz", "smollm2-int8-turns-3.npz"))
+COMMITTED = tuple(ROOT / "data" / "selfdistill" / name for name in (
+    "smollm2-int8-2000.npz", "smollm2-int8-turns.npz", "smollm2-int8-turns-2.npz", "smollm2-int8-turns-3.npz"))
 BASE_NAME = "base.gguf"
 PROMPTS = "prompts.npz"
 MANIFEST = "manifest.json"

@@ -58,7 +58,8 @@ class Eagle3Head(DraftHead):
         hidden = hidden.to(self.fc.weight.dtype)
         if from_target:
             hidden = self.fc(hidden)
-        out, kv = self.midlayer(self.embed(token_ids), hidden, self.rope(positions), None if past is None else past[0], mask)
+        layer_past = None if past is None else past[0]
+        out, kv = self.midlayer(self.embed(token_ids), hidden, self.rope(positions), layer_past, mask)
         return out, [kv]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

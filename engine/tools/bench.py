@@ -155,14 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--temperature", type=float, default=0.0, help="0 = greedy")
     add("--seed", type=int, default=None, help="sampling seed, set before every generation")
     add("--methods", default=",".join(METHODS), help="comma-separated list")
-    add("--base", default=None, help="base model: .gguf file, folder or hub id; unset = the embedded SmolLM2-135M-Instruct")
+    add("--base", default=None,
+        help="base model: .gguf file, folder or hub id; unset = the embedded SmolLM2-135M-Instruct")
     add("--head", default="default", help="draft head folder or hub id; 'default' = the shipped head, 'none' = no head")
     add("--compare-head", action="append", default=[], metavar="NAME=HEAD",
         help="also run the engine with this head, as method NAME (repeatable)")
     add("--dtype", default="auto", choices=["auto", *DTYPES],
         help="dtype of the base model; auto: bfloat16 on a CPU with native bf16, else float32")
-    add("--hf-dtype", choices=list(DTYPES), help="dtype for hf and hf-pld (default: the engine's; beside the q4 kernels, "
-        "bfloat16 on a CPU with native bf16, else float32)")
+    add("--hf-dtype", choices=list(DTYPES),
+        help="dtype for hf and hf-pld (default: the engine's; beside the q4 kernels, bfloat16 on a CPU with native "
+             "bf16, else float32)")
     add("--device", default=DEFAULT_DEVICE, help="cpu, cuda, cuda:N, or auto (GPUs if any, else the CPU)")
     add("--quantization", default="none", choices=QUANTIZATIONS, help="bitsandbytes weights")
     add("--tree", default="dynamic", choices=list(TREES), help="EAGLE-2 dynamic or EAGLE-1 static")
@@ -222,7 +224,8 @@ def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
         setup.methods.append(name)
     for method in ("eagle", GATED):
         if method in setup.methods and engine.head is None:
-            reason = "--head none" if head is None else f"the shipped head {DEFAULT_HEAD} is missing or not for this base"
+            reason = ("--head none" if head is None
+                      else f"the shipped head {DEFAULT_HEAD} is missing or not for this base")
             print(f"note: skipping method {method}: no draft head ({reason}); pass --head FOLDER", file=sys.stderr)
             setup.methods.remove(method)
     if not setup.methods:

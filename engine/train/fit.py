@@ -97,7 +97,8 @@ def ttt_unroll(head: DraftHead, features: torch.Tensor, ids: torch.Tensor, steps
         tokens = _shift(ids, s + 1).to(device)
         positions = (torch.arange(length, device=device) + s).expand(ids.shape[0], -1)
         out, kv = head(hidden, tokens, positions, past, masks[s], from_target=s == 0)
-        past = kv if past is None else [(torch.cat([p[0], k[0]], 2), torch.cat([p[1], k[1]], 2)) for p, k in zip(past, kv)]
+        past = kv if past is None else [(torch.cat([p[0], k[0]], 2), torch.cat([p[1], k[1]], 2))
+                                        for p, k in zip(past, kv)]
         yield out
         hidden = out
 
@@ -229,7 +230,8 @@ class Trainer:
     def __init__(self, head: DraftHead, base_model, source, train_idx: list[int], val_idx: list[int],
                  config: FitConfig, out: str | Path, accelerator: Accelerator | None = None, from_base: bool = True):
         self.config, self.out = config, Path(out)
-        self.accelerator = accelerator or Accelerator(mixed_precision="bf16" if bf16_supported() else "no", cpu=not torch.cuda.is_available())
+        self.accelerator = accelerator or Accelerator(mixed_precision="bf16" if bf16_supported() else "no",
+                                                      cpu=not torch.cuda.is_available())
         self.source, self.train_idx, self.val_idx = source, train_idx, val_idx
         head.train().requires_grad_(True)
         head.attach(base_model)
@@ -265,7 +267,8 @@ class Trainer:
         epoch, index = divmod(step, self.epoch_batches)
         lengths = [len(self.source.records[i]["input_ids"]) for i in self.train_idx]
         if getattr(self, "_planned_epoch", None) != epoch:
-            self._plan = plan_batches(lengths, self.config.batch_tokens * self.accelerator.num_processes, epoch, self.config.seed)
+            tokens_per_batch = self.config.batch_tokens * self.accelerator.num_processes
+            self._plan = plan_batches(lengths, tokens_per_batch, epoch, self.config.seed)
             self._planned_epoch = epoch
         batch = self._plan[index % len(self._plan)]
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
