@@ -25,7 +25,7 @@ from engine import DecodeParams
 from engine.draft.checkpoint import DEFAULT_HEAD
 from engine.models import DEFAULT_BASE
 
-from .chat import ChatService
+from .chat import APP_PARAMS, ChatService
 from .meter import TurnMeter
 from .openai_schema import ApiError, ChatRequest, Completion, event, parse_request, usage
 from .render import Answer
@@ -149,7 +149,7 @@ class Api:
     """The /v1 routes. Until a ChatService is attached (the model loads) they answer 503."""
 
     def __init__(
-        self, access: Access, max_new_tokens: int, defaults: DecodeParams = DecodeParams(gate=True),
+        self, access: Access, max_new_tokens: int, defaults: DecodeParams = APP_PARAMS,
         waiting: int = WAITING_REQUESTS,
     ):
         self.access, self.max_new_tokens, self.defaults = access, max_new_tokens, defaults

@@ -12,7 +12,7 @@ from markdown_it.common.utils import escapeHtml
 
 from engine import DecodeParams, DynamicTree
 
-from .chat import ChatService
+from .chat import APP_PARAMS, ChatService
 from .conversation import Conversation, Turn, note_turn, user_turn
 from .meter import METHOD_NAMES, PLAIN_EVERY, PLAIN_RUN, TurnMeter, meter_html, status_html
 from .render import render_answer, render_markdown
@@ -71,7 +71,7 @@ class Handlers:
         EAGLE answers decode a run of PLAIN_RUN plain steps every PLAIN_EVERY rounds for the meter (app/meter.py)."""
         typed = {name: OPTION_TYPES.get(name, float)(value) for name, value in options.items()}
         typed["max_new_tokens"] = max(1, min(typed.get("max_new_tokens", self.max_new_tokens), self.max_new_tokens))
-        return DecodeParams(plain_every=PLAIN_EVERY, plain_run=PLAIN_RUN).with_options(**typed)
+        return APP_PARAMS.with_options(plain_every=PLAIN_EVERY, plain_run=PLAIN_RUN, **typed)
 
     # Chat tab -----------------------------------------------------------------------------------------------
     def add_message(self, text: str, conversation: Conversation):
@@ -304,7 +304,7 @@ def _side_panel(handlers: Handlers) -> SidePanel:
                                   info="drafts the head gives less probability are not verified"),
             "context": gr.Checkbox(value=True, label="EAGLE drafts from the context too", elem_id="context",
                                    info="continuations of earlier text join the head's tree"),
-            "gate": gr.Checkbox(value=True, label="The head drafts only where it pays", elem_id="gate",
+            "gate": gr.Checkbox(value=APP_PARAMS.gate, label="The head drafts only where it pays", elem_id="gate",
                                 info="measured in the answer: rounds with the head against rounds without it"),
         }
         provenance = gr.Checkbox(value=True, label="Colour drafted tokens", elem_id="provenance")
