@@ -34,6 +34,12 @@ DRAFTER = "tests/test_drafter.py"
 TAU = "tests/test_tau_regression.py"
 BENCH = "tests/test_bench.py"
 CHECKPOINT = "tests/test_checkpoint.py"
+LOSSLESS = "tests/test_lossless.py"
+GATE = "tests/test_gate.py"
+PREFIXES = "tests/test_prefixes.py"
+QUANT = "tests/test_quant.py"
+ATTENTION = "tests/test_attention.py"
+METER = "tests/test_meter.py"
 
 
 @dataclass(frozen=True)
@@ -85,8 +91,37 @@ MUTANTS = [
            "the cache keeps the first tree nodes instead of the accepted path"),
     Mutant("draft-level-ignored", "engine/draft/drafter.py", "positions = torch.full((b,), n + level,",
            "positions = torch.full((b,), n,", (TREE, TAU), "draft tree nodes all get the first tree position"),
-    Mutant("plain-step-not-fed", "engine/generate.py", "        drafter.commit(features, torch.tensor([seq.root]))",
-           "        pass", (DRAFTER,), "a timed plain step does not give the drafter its slot"),
+    Mutant("plain-step-not-fed", "engine/generate.py",
+           "        drafter.commit(features, torch.tensor([seq.root]), defer=True)", "        pass", (DRAFTER,),
+           "a timed plain step does not give the drafter its slot"),
+    Mutant("greedy-takes-first-child", "engine/verify.py",
+           "match = next((c for c in kids[node] if tokens[c] == best[node]), None)",
+           "match = next(iter(kids[node]), None)", (LOSSLESS,),
+           "greedy verification accepts a node's first child whatever the base model's argmax"),
+    Mutant("deferred-slots-dropped", "engine/draft/drafter.py",
+           "        self._deferred.append((features, next_tokens))\n",
+           "        if not defer:\n            self._deferred.append((features, next_tokens))\n",
+           (GATE, DRAFTER), "slots deferred while the head rests (gate, plain steps) are never caught up"),
+    Mutant("gate-prefers-slower", "engine/gate.py", "        faster = ratio >= 1", "        faster = ratio < 1",
+           (GATE,), "the head gate gives most windows to the slower arm"),
+    Mutant("gate-ignores-seed", "engine/params.py", "(self.sampling.greedy or self.seed is None)", "True", (GATE,),
+           "the head gate runs for a seeded sampler, so the seed no longer repeats its answer"),
+    Mutant("prefix-past-mismatch", "engine/prefixes.py", "            if ours != theirs:\n                break\n",
+           "            if ours != theirs:\n                continue\n", (PREFIXES,),
+           "a kept prefix counts the tokens after the first difference as shared"),
+    Mutant("int8-truncates", "engine/kernels/cpu.cpp",
+           "_mm256_cvttps_epi32(_mm256_round_ps(scaled, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC))",
+           "_mm256_cvttps_epi32(scaled)", (QUANT,), "int8 activations truncated instead of rounded to nearest even"),
+    Mutant("attention-sees-masked-keys", "engine/kernels/cpu.cpp",
+           "if (row[j] > -FLT_MAX) seen.keys.push_back(j), seen.bias.push_back(row[j]);",
+           "seen.keys.push_back(j), seen.bias.push_back(row[j] > -FLT_MAX ? row[j] : 0.f);", (ATTENTION,),
+           "the fixed-order attention lets a row see the keys its mask hides (a tree node its siblings)"),
+    Mutant("meter-plain-pays-upkeep", "app/meter.py", "self.plain.add(len(step.tokens), step.wall_s - step.draft_s)",
+           "self.plain.add(len(step.tokens), step.wall_s)", (METER,),
+           "the meter's plain steps are timed with the drafter's upkeep, so the × shown is too high"),
+    Mutant("meter-unsettled-plain-steps", "app/meter.py", "if self.plain_streak > SETTLING:",
+           "if self.plain_streak > 0:", (METER,),
+           "the meter times the plain steps right after drafting, before the machine settles"),
     Mutant("bench-counts-tokens", "engine/tools/runs.py", "step.tokens], wall, len(steps), steps)",
            "step.tokens], wall, sum(map(len, (s.tokens for s in steps))), steps)", (BENCH,),
            "the benchmark counts a base forward per token, not per round"),
@@ -118,9 +153,10 @@ def run_tests(root: Path, tests: tuple[str, ...], timeout: float, first_failure:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *(["-x"] * first_failure),
                *tests]
     try:
-        # A wide terminal, so that pytest's summary keeps each failure's message (a τ, a p-value) whole.
-        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "COLUMNS": "400"})
+        # A wide terminal, so that pytest's summary keeps each failure's message (a τ, a p-value) whole; the kernels
+        # built in the copy's own folder, so a C++ mutant never replaces the build the checkout's processes load.
+        env = {**os.environ, "COLUMNS": "400", "TORCH_EXTENSIONS_DIR": str(root / ".torch-extensions")}
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return False, ["(timed out)"], time.perf_counter() - start
     failed = [line[:240] for line in re.findall(r"^(?:FAILED|ERROR) (.+)$", done.stdout, flags=re.M)]
