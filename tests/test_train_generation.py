@@ -14,7 +14,7 @@ from engine.train.data import encode_prompt, first_prompt, read_conversations, s
 from engine.train import generation
 from engine.train.features import target_features
 from engine.train.generation import (BatchGenerator, SlotCache, additive_mask, generate_replies, grouped_attention,
-                                     load_generation_model, prepare_model)
+                                     load_generation_model, prepare_model, slots_that_fit)
 
 STOPS = [5, 6]  # frequent in these random models' output: replies end at many lengths
 
@@ -107,6 +107,18 @@ def test_the_cache_is_allocated_once_and_keeps_keys_in_float64_for_wide_attentio
     cache = SlotCache(model, slots=5, capacity=70)
     assert len(cache.keys) == model.config.num_hidden_layers
     assert cache.keys[0].shape == (5, 2, 70, 16) and cache.keys[0].dtype == torch.float64
+
+
+def test_a_slots_bytes_are_what_the_cache_allocates_for_it():
+    """What slots_that_fit divides a GPU's free memory by."""
+    for prepare in (False, True):  # the model's own dtype, float64 for the wide attention
+        model = tiny_base("llama-h48-l7-mqa")
+        if prepare:
+            prepare_model(model)
+        cache = SlotCache(model, slots=3, capacity=40)
+        allocated = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+        assert allocated == 3 * SlotCache.slot_bytes(model, 40)
+        assert slots_that_fit(model, 40, 7) == 7  # off a GPU: as many as asked
 
 
 def test_sampled_replies_are_reproducible_from_the_seed():

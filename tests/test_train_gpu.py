@@ -7,11 +7,15 @@ import importlib.util
 import json
 import os
 import sys
+import time
+import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import tiny_base
 from engine.draft.checkpoint import load_head
 from engine.models import embedded_gguf_path, load_model
 from engine.train.store import load_records
@@ -72,6 +76,24 @@ def test_returned_pieces_stay_under_the_device_limit_and_hold_every_record(tmp_p
 
 
 @needs_embedded
+def test_a_chunks_generator_is_gone_before_the_next_one_allocates_its_cache(monkeypatch):
+    """On a GPU the slots' cache is most of its memory: two chunks' caches at once would not fit."""
+    live, alive_before = weakref.WeakSet(), []
+
+    class Counted(train_gpu.BatchGenerator):
+        def __init__(self, *args, **kwargs):
+            alive_before.append(len(live))
+            super().__init__(*args, **kwargs)
+            live.add(self)
+
+    monkeypatch.setattr(train_gpu, "BatchGenerator", Counted)
+    prompts = [{"id": str(i), "input_ids": [1 + i, 2, 3 + i], "prompt_len": 3} for i in range(5)]
+    budget = replace(train_gpu.SMOKE, chunk=2, slots=2, max_new_tokens=4)
+    records = train_gpu.regenerate(tiny_base("llama-h48-l7-mqa"), prompts, [5], budget, time.time() + 600)
+    assert sorted(r["id"] for r in records) == [p["id"] for p in prompts]
+    assert alive_before == [0, 0, 0]
+
+
 def test_the_smoke_run_regenerates_greedy_replies_and_brings_back_a_head_that_loads(tmp_path):
     train_gpu.main(["smoke", "--out", str(tmp_path)])
     packed, returned = tmp_path / "pack", tmp_path / "returned"

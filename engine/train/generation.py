@@ -35,6 +35,7 @@ from ..verify import Sampling
 FUSED_WIDE = "eagle_wide_fused"
 GROUPED_ATTENTION = "eagle_grouped"
 PREFILL_TOKENS = 2048  # padded prompt tokens per prefill forward: few pad tokens, activations of a few MB a layer
+CACHE_SPARE = 0.25  # of a GPU's free memory left beside the slots' cache, for the forwards' activations
 
 
 def generation_dtype(device: str) -> str:
@@ -116,15 +117,25 @@ class SlotCache(Cache):
 
     def __init__(self, model: PreTrainedModel, slots: int, capacity: int):
         super().__init__(layers=[])
-        config = model.config.get_text_config()
-        heads = config.num_key_value_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        wide = config._attn_implementation == FUSED_WIDE
-        dtype, device = torch.float64 if wide else kv_dtype(model) or model.dtype, model.device
-        shape = (slots, heads, capacity, dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        layers, heads, dim, dtype = self.layout(model)
+        shape, device, self.capacity = (slots, heads, capacity, dim), model.device, capacity
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.place(torch.zeros(0, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long), slice(0, 0), 0)
+
+    @staticmethod
+    def layout(model: PreTrainedModel) -> tuple[int, int, int, torch.dtype]:
+        """(layers, key/value heads, head dim, dtype) of the cache for `model`."""
+        config = model.config.get_text_config()
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = torch.float64 if config._attn_implementation == FUSED_WIDE else kv_dtype(model) or model.dtype
+        return config.num_hidden_layers, config.num_key_value_heads, dim, dtype
+
+    @classmethod
+    def slot_bytes(cls, model: PreTrainedModel, capacity: int) -> int:
+        """Bytes of keys and values one slot of `capacity` tokens takes."""
+        layers, heads, dim, dtype = cls.layout(model)
+        return 2 * layers * heads * capacity * dim * dtype.itemsize
 
     def place(self, rows: torch.Tensor, positions: torch.Tensor, read: slice | torch.Tensor, width: int) -> None:
         """The next forward writes rows [R] at positions [R, T] and returns keys [0, width) of the rows `read`."""
@@ -163,8 +174,9 @@ class BatchGenerator:
         self.generator = torch.Generator().manual_seed(seed)
         self.stops = torch.tensor(sorted(set(stops)), dtype=torch.long)
         self.queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
-        slots = min(slots, len(prompts))
-        self.cache = SlotCache(model, slots, max(map(len, prompts)) + max_new_tokens)
+        capacity = max(map(len, prompts)) + max_new_tokens
+        slots = slots_that_fit(model, capacity, min(slots, len(prompts)))
+        self.cache = SlotCache(model, slots, capacity)
         self.owner = torch.full((slots,), -1, dtype=torch.long)  # prompt index per slot; -1: free
         self.lengths = torch.zeros(slots, dtype=torch.long)  # tokens in the cache per slot
         self.count = torch.zeros(slots, dtype=torch.long)  # reply tokens per slot
@@ -246,6 +258,22 @@ class BatchGenerator:
         for slot in ended.tolist():
             yield int(self.owner[slot]), self.replies[slot, : self.count[slot]].tolist()
         self.owner[ended] = -1
+
+
+def slots_that_fit(model: PreTrainedModel, capacity: int, wanted: int, spare: float = CACHE_SPARE) -> int:
+    """`wanted`, or on a GPU as many slots of `capacity` tokens as leave `spare` of its free memory to the forwards
+    (a prefill's activations, the logits): there the preallocated cache is most of a large batch's memory (the
+    float32 SmolLM2, 2,048 slots of 768 tokens: 68 GiB, against an H100's 79), and one slot too many fails the
+    whole run when it is allocated."""
+    if model.device.type != "cuda":
+        return wanted
+    free, _ = torch.cuda.mem_get_info(model.device)
+    free += torch.cuda.memory_reserved(model.device) - torch.cuda.memory_allocated(model.device)  # torch's, unused
+    fitting = int(free * (1 - spare)) // SlotCache.slot_bytes(model, capacity)
+    if fitting < 1:
+        raise ValueError(f"not one slot of {capacity} tokens fits in the GPU's free {free / 2**30:.1f} GiB; ask "
+                         "for shorter prompts or fewer new tokens")
+    return min(wanted, fitting)
 
 
 def check_prompts(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, slots: int) -> None:
