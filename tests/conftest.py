@@ -21,10 +21,16 @@ PACKED_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.s
 # A small vocabulary makes random drafts hit often, so multi-token paths are exercised.
 VOCAB = 16
 SHAPES = {
-    "llama-h64-l8-gqa": (LlamaConfig, LlamaForCausalLM, dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)),
-    "llama-h48-l7-mqa": (LlamaConfig, LlamaForCausalLM, dict(hidden_size=48, num_hidden_layers=7, num_attention_heads=3, num_key_value_heads=1)),
-    "qwen2-h32-l10-tied": (Qwen2Config, Qwen2ForCausalLM, dict(hidden_size=32, num_hidden_layers=10, num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)),
-    "qwen3-h64-l9": (Qwen3Config, Qwen3ForCausalLM, dict(hidden_size=64, num_hidden_layers=9, num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+    "llama-h64-l8-gqa": (LlamaConfig, LlamaForCausalLM,
+                         dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)),
+    "llama-h48-l7-mqa": (LlamaConfig, LlamaForCausalLM,
+                         dict(hidden_size=48, num_hidden_layers=7, num_attention_heads=3, num_key_value_heads=1)),
+    "qwen2-h32-l10-tied": (Qwen2Config, Qwen2ForCausalLM,
+                           dict(hidden_size=32, num_hidden_layers=10, num_attention_heads=2, num_key_value_heads=2,
+                                tie_word_embeddings=True)),
+    "qwen3-h64-l9": (Qwen3Config, Qwen3ForCausalLM,
+                     dict(hidden_size=64, num_hidden_layers=9, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16)),
 }
 
 
@@ -38,8 +44,8 @@ def tiny_base(shape: str, vocab: int = VOCAB, seed: int = 0, dtype: torch.dtype 
     config_cls, model_cls, sizes = SHAPES[shape]
     torch.manual_seed(seed)
     config = config_cls(
-        vocab_size=vocab, intermediate_size=96, initializer_range=0.25, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-        pad_token_id=None, **sizes,
+        vocab_size=vocab, intermediate_size=96, initializer_range=0.25, max_position_embeddings=256, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None, **sizes,
     )
     model = model_cls(config).to(dtype).eval().requires_grad_(False)
     model.generation_config.eos_token_id = None

@@ -103,7 +103,8 @@ def test_every_engine_step_runs_on_the_one_engine_thread(engine, service):
     try:
         ids = engine.encode_chat([{"role": "user", "content": "Hello there"}])
         for _ in range(2):  # two turns, each driven from a thread of its own, as Gradio does
-            worker = threading.Thread(target=lambda: list(service.stream(ids, DecodeParams().with_options(method="eagle", max_new_tokens=8))))
+            worker = threading.Thread(
+                target=lambda: list(service.stream(ids, DecodeParams().with_options(method="eagle", max_new_tokens=8))))
             worker.start()
             worker.join(60)
     finally:
@@ -114,8 +115,8 @@ def test_every_engine_step_runs_on_the_one_engine_thread(engine, service):
 def test_a_throttled_stream_skips_updates_but_no_tokens(engine, service):
     ids = engine.encode_chat([{"role": "user", "content": "Hello there"}])
     expected = list(engine.generate(ids, method="eagle", max_new_tokens=16, total_tokens=8, depth=3))
-    updates = [(answer.ids[:], turn.rounds) for answer, turn in
-               service.stream(ids, DecodeParams().with_options(method="eagle", max_new_tokens=16, total_tokens=8, depth=3), every_s=60)]
+    params = DecodeParams().with_options(method="eagle", max_new_tokens=16, total_tokens=8, depth=3)
+    updates = [(answer.ids[:], turn.rounds) for answer, turn in service.stream(ids, params, every_s=60)]
     assert len(expected) > 2 and len(updates) <= 2  # the first state, then the last (long before 60 s)
     assert updates[-1] == (tokens_of(expected), len(expected) - 1)
 
@@ -131,7 +132,8 @@ def test_closing_the_stream_stops_decoding_and_frees_the_engine(engine, service)
     time.sleep(0.5)
     assert service.active == 0 and service.rounds == stopped_at < 200  # no round after the one in progress
     started = threading.Event()
-    worker = threading.Thread(target=lambda: (next(engine.generate(ids, method="vanilla", max_new_tokens=1)), started.set()), daemon=True)
+    worker = threading.Thread(
+        target=lambda: (next(engine.generate(ids, method="vanilla", max_new_tokens=1)), started.set()), daemon=True)
     worker.start()
     assert started.wait(30), "the engine is still locked after the stream was closed"
 
@@ -179,7 +181,8 @@ def test_over_long_message_gets_a_clear_message_in_the_chat(handlers):
     assert len(shown) == 2 and "tokens long" in shown[1]["content"] and "Traceback" not in shown[1]["content"]
     assert conversation.messages() == []  # the refused message is not in the model's context
     updates = ask(handlers, conversation, "Short question")  # the chat goes on
-    assert conversation.messages()[0]["content"] == "Short question" and conversation.messages()[-1]["role"] == "assistant"
+    assert (conversation.messages()[0]["content"] == "Short question"
+            and conversation.messages()[-1]["role"] == "assistant")
 
 
 def test_bad_settings_and_failures_never_show_a_traceback(handlers, monkeypatch):
@@ -255,7 +258,8 @@ def test_side_by_side_explains_where_outputs_part(handlers, engine):
 
 def test_two_sessions_at_once_each_get_their_own_answer(handlers, engine):
     prompts = ["First question", "A different second question"]
-    alone = [engine.chat_text([{"role": "user", "content": p}], method="eagle", max_new_tokens=12, total_tokens=8, depth=3) for p in prompts]
+    alone = [engine.chat_text([{"role": "user", "content": p}], method="eagle", max_new_tokens=12, total_tokens=8,
+                              depth=3) for p in prompts]
     conversations = [Conversation(), Conversation()]
     threads = [threading.Thread(target=ask, args=(handlers, c, p)) for c, p in zip(conversations, prompts)]
     for thread in threads:

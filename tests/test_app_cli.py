@@ -31,7 +31,8 @@ def test_defaults_leave_host_and_port_to_gradio_and_spaces(main_module):
 
 def test_options(main_module):
     args = main_module.parse_args(
-        ["--head", "none", "--share", "--auth", "ann:pa:ss", "--port", "7999", "--host", "0.0.0.0", "--max-new-tokens", "32"]
+        ["--head", "none", "--share", "--auth", "ann:pa:ss", "--port", "7999", "--host", "0.0.0.0",
+         "--max-new-tokens", "32"]
     )
     assert args.auth == ("ann", "pa:ss") and args.share and args.port == 7999 and args.max_new_tokens == 32
 

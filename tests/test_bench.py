@@ -74,7 +74,8 @@ def report(assets):
         "--max-new-tokens", str(MAX_NEW), "--methods", ",".join(METHODS), "--compare-head", f"e1={assets / 'head1'}",
         "--total-tokens", "6", "--depth", "2", "--draft-top-k", "3",
         "--dtype", "float32",  # where hf (transformers' kernels) must equal vanilla too
-        "--json", str(assets / "runs" / "out.json"), "--plot", str(assets / "plots" / "out.png"),  # folders not there yet
+        # folders not there yet
+        "--json", str(assets / "runs" / "out.json"), "--plot", str(assets / "plots" / "out.png"),
     ]
     return main(argv)
 

@@ -187,6 +187,7 @@ def test_side_by_side_shows_identical_outputs(page):
     page.get_by_role("tab", name="Side by side").click()
     page.fill("#compare-prompt textarea", "Give me three tips for learning a new language.")
     page.click("#compare")
-    verdict = page.wait_for_selector("#verdict .verdict[data-verdict=identical], #verdict .verdict[data-verdict=different]", timeout=180_000)
+    verdict = page.wait_for_selector(
+        "#verdict .verdict[data-verdict=identical], #verdict .verdict[data-verdict=different]", timeout=180_000)
     assert verdict.get_attribute("data-verdict") == "identical", verdict.inner_text()
     assert page.locator("#eagle-answer span.drafted, #eagle-answer span.context").count() > 0

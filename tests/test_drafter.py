@@ -11,12 +11,14 @@ from engine.tree import DynamicTree, StaticTree
 
 
 @pytest.mark.parametrize("kind,tree,plain_every", [("eagle3", DynamicTree(total_tokens=16, depth=3, top_k=4), 0),
-                                                   ("eagle1", StaticTree(), 3)], ids=["eagle3-dynamic", "eagle1-static"])
+                                                   ("eagle1", StaticTree(), 3)],
+                         ids=["eagle3-dynamic", "eagle1-static"])
 def test_after_each_round_the_drafter_holds_the_accepted_texts_features(kind, tree, plain_every, prompt):
     engine = tiny_engine("llama-h64-l8-gqa", kind)
     drafter = Drafter(engine.head)
     text, accepted = list(prompt), 0
-    for step in decode(engine.target, drafter, prompt, DecodeParams(max_new_tokens=40, tree=tree, plain_every=plain_every)):
+    params = DecodeParams(max_new_tokens=40, tree=tree, plain_every=plain_every)
+    for step in decode(engine.target, drafter, prompt, params):
         if step.finish_reason:  # the last step may be cut after the drafter caught up: nothing to compare
             break
         text += step.tokens

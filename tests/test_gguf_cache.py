@@ -48,7 +48,8 @@ def test_the_converted_copy_is_the_gguf_model_bit_for_bit(cache, tmp_path, monke
     monkeypatch.setenv("EAGLE_CHAT_CACHE", str(cache))
     tokenizer = load_tokenizer(None)
     assert [tokenizer(t).input_ids for t in TEXTS] == [original(t).input_ids for t in TEXTS]
-    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "?"}]
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "?"}]
     assert tokenizer.apply_chat_template(chat, add_generation_prompt=True) == original.apply_chat_template(
         chat, add_generation_prompt=True)
     assert (tokenizer.eos_token, tokenizer.all_special_tokens, len(tokenizer)) == (
@@ -124,7 +125,8 @@ def test_two_processes_converting_at_once_both_get_one_whole_copy(tmp_path, monk
     with ThreadPoolExecutor(2) as pool:
         folders = list(pool.map(lambda _: gguf_cache.converted(gguf), range(2)))
     assert folders[0] == folders[1] == gguf_cache.converted_folder(gguf)
-    assert gguf_cache._is_complete(folders[0], gguf_cache._source_facts(gguf)) and (folders[0] / "model.safetensors").is_file()
+    assert gguf_cache._is_complete(folders[0], gguf_cache._source_facts(gguf))
+    assert (folders[0] / "model.safetensors").is_file()
     assert [p.name for p in folders[0].parent.iterdir()] == [folders[0].name]  # no staging folder left
 
     weights = folders[0] / "model.safetensors"

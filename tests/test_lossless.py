@@ -37,7 +37,8 @@ def test_vanilla_equals_transformers_generate(shape, prompt):
 def test_tree_settings_stay_lossless(total_tokens, depth, top_k, prompt):
     engine = tiny_engine("llama-h64-l8-gqa", "eagle3")
     vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=60))
-    eagle = engine.generate(prompt, method="eagle", max_new_tokens=60, total_tokens=total_tokens, depth=depth, draft_top_k=top_k)
+    eagle = engine.generate(prompt, method="eagle", max_new_tokens=60, total_tokens=total_tokens, depth=depth,
+                            draft_top_k=top_k)
     assert tokens_of(eagle) == vanilla
 
 

