@@ -30,7 +30,7 @@ from ..engine import Engine
 from ..models import load_base
 from ..packed import bf16_native, pack_linears
 from ..quant import GROUPED, gguf_file, kv_dtype, resolve_kernels
-from ..verify import Sampling
+from ..verify import Sampling, greedy_tokens
 
 FUSED_WIDE = "eagle_wide_fused"
 GROUPED_ATTENTION = "eagle_grouped"
@@ -243,7 +243,7 @@ class BatchGenerator:
         """Next tokens [R] from final hidden states [R, H]: argmax, or draws from the tempered distribution."""
         logits = self.lm_head(hidden).float()
         if self.sampling.greedy:
-            return logits.argmax(dim=-1).cpu()
+            return torch.tensor(greedy_tokens(logits), dtype=torch.long)  # numpy's argmax on the CPU
         return torch.multinomial(self.sampling.probs(logits).cpu(), 1, generator=self.generator)[:, 0]
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
