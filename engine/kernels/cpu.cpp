@@ -622,8 +622,10 @@ std::vector<Visible> visible_rows(const std::optional<at::Tensor>& mask, int64_t
   for (int64_t r = 0; r < batch * rows; ++r) {
     const float* row = bias + r / rows * bias_batch + r % rows * bias_row;
     Visible& seen = visible[r];
-    for (int64_t j = 0; j < length; ++j)
-      if (row[j] > -FLT_MAX) seen.keys.push_back(j), seen.bias.push_back(row[j]);
+    seen.keys.resize(std::count_if(row, row + length, [](float b) { return b > -FLT_MAX; }));  // no regrowing
+    seen.bias.resize(seen.keys.size());
+    for (int64_t j = 0, n = 0; j < length; ++j)
+      if (row[j] > -FLT_MAX) seen.keys[n] = j, seen.bias[n++] = row[j];
   }
   return visible;
 }
