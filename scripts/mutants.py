@@ -113,8 +113,11 @@ MUTANTS = [
            "_mm256_cvttps_epi32(_mm256_round_ps(scaled, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC))",
            "_mm256_cvttps_epi32(scaled)", (QUANT,), "int8 activations truncated instead of rounded to nearest even"),
     Mutant("attention-sees-masked-keys", "engine/kernels/cpu.cpp",
-           "if (row[j] > -FLT_MAX) seen.keys.push_back(j), seen.bias.push_back(row[j]);",
-           "seen.keys.push_back(j), seen.bias.push_back(row[j] > -FLT_MAX ? row[j] : 0.f);", (ATTENTION,),
+           "std::count_if(row, row + length, [](float b) { return b > -FLT_MAX; }));  // no regrowing\n"
+           "    seen.bias.resize(seen.keys.size());\n    for (int64_t j = 0, n = 0; j < length; ++j)\n"
+           "      if (row[j] > -FLT_MAX) seen.keys[n] = j, seen.bias[n++] = row[j];",
+           "length);\n    seen.bias.resize(seen.keys.size());\n    for (int64_t j = 0, n = 0; j < length; ++j)\n"
+           "      seen.keys[n] = j, seen.bias[n++] = row[j] > -FLT_MAX ? row[j] : 0.f;", (ATTENTION,),
            "the fixed-order attention lets a row see the keys its mask hides (a tree node its siblings)"),
     Mutant("meter-plain-pays-upkeep", "app/meter.py", "self.plain.add(len(step.tokens), step.wall_s - step.draft_s)",
            "self.plain.add(len(step.tokens), step.wall_s)", (METER,),
