@@ -14,6 +14,7 @@ from app.zerogpu import on_gpu  # before torch: on ZeroGPU hardware `spaces` mus
 
 from engine import CheckpointError, DecodeParams, Engine, freeze_heap
 from engine.models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS
+from engine.corpus import CORPUS_HELP, parse_corpus
 from engine.quant import KERNELS, KERNELS_HELP
 
 from app.api import Access, Api, model_ids, serve
@@ -41,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--quantization", default="none", choices=list(QUANTIZATIONS),
         help="bitsandbytes weights, for Hugging Face checkpoints")
     add("--kernels", default="auto", choices=list(KERNELS), help=KERNELS_HELP)
+    add("--corpus", nargs="+", default=["default"], metavar="CORPUS", help=CORPUS_HELP)
     add("--max-memory", help="with --device auto or cuda:N: the most each GPU may hold, e.g. 20GiB")
     add("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     add("--port", type=int, help="port (default 7860, or the next free one)")
@@ -67,7 +69,7 @@ def load_service(args: argparse.Namespace, engine_thread: EngineThread) -> ChatS
         engine = engine_thread.call(
             Engine.load,
             args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
-            max_memory=args.max_memory, kernels=args.kernels,
+            max_memory=args.max_memory, kernels=args.kernels, corpus=parse_corpus(args.corpus),
         )
     except (CheckpointError, ValueError, OSError, ImportError, MemoryError) as err:  # paths, sizes, devices, packages
         raise SystemExit(f"app.py: error: {err}") from None

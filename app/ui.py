@@ -303,7 +303,8 @@ def _side_panel(handlers: Handlers) -> SidePanel:
             "min_prob": gr.Slider(0.0, 0.95, value=tree.min_prob, step=0.05, label="Draft confidence floor",
                                   info="drafts the head gives less probability are not verified"),
             "context": gr.Checkbox(value=True, label="EAGLE drafts from the context too", elem_id="context",
-                                   info="continuations of earlier text join the head's tree"),
+                                   info="continuations of earlier text (this chat, else the model's own replies to "
+                                        "other prompts) join the head's tree"),
             "gate": gr.Checkbox(value=APP_PARAMS.gate, label="The head drafts only where it pays", elem_id="gate",
                                 info="measured in the answer: rounds with the head against rounds without it"),
         }

@@ -13,6 +13,8 @@ import operator
 from dataclasses import dataclass
 from typing import Iterable
 
+from .corpus import CorpusIndex
+
 
 @dataclass(frozen=True)
 class Continuation:
@@ -133,15 +135,29 @@ class ContextDraft:
     max_tokens: int = 16  # the longest chain, whatever the match
     branches: int = 2  # distinct continuations drafted (one chain each)
     min_match: int = 2  # shorter matches draft nothing
+    # Where the context drafts nothing, one chain from the corpus (engine.corpus): the tokens that at least
+    # corpus_share of the replies sharing the text's end continued it with. On the shipped model's MT-bench answers
+    # such a first token was right 40-86 % of the time, one with less agreement 9-34 %; one token a round paid best
+    # on the CPU, where each drafted row costs ~a quarter of a plain step (README, "Drafting from the model's own
+    # replies")
+    corpus_share: float = 0.7
+    corpus_max_tokens: int = 1
 
     def __post_init__(self):
-        if self.tokens_per_match <= 0 or self.max_tokens < 1 or self.branches < 1 or self.min_match < 1:
-            raise ValueError("context drafting needs tokens_per_match > 0 and max_tokens, branches, min_match >= 1")
+        counts = (self.max_tokens, self.branches, self.min_match, self.corpus_max_tokens)
+        if self.tokens_per_match <= 0 or min(counts) < 1:
+            raise ValueError("context drafting needs tokens_per_match > 0 and max_tokens, branches, min_match, "
+                             "corpus_max_tokens >= 1")
+        if not 0 <= self.corpus_share <= 1:
+            raise ValueError(f"corpus_share is a fraction of the votes, between 0 and 1, got {self.corpus_share}")
 
-    def chains(self, index: ContextIndex) -> list[list[int]]:
-        """This round's chains, most trusted first; none when the text's end matches nothing long enough."""
+    def chains(self, index: ContextIndex, corpus: CorpusIndex | None = None) -> list[list[int]]:
+        """This round's chains, most trusted first; none when the text's end matches nothing long enough, in the
+        context or (given) the corpus."""
         found = index.continuations(self.max_tokens, self.branches)
-        if not found or found[0].match_length < self.min_match:
-            return []
-        length = min(self.max_tokens, max(1, round(self.tokens_per_match * found[0].match_length)))
-        return [found[0].tokens[:length]] + [c.tokens[: max(1, length // 2)] for c in found[1:]]
+        if found and found[0].match_length >= self.min_match:
+            length = min(self.max_tokens, max(1, round(self.tokens_per_match * found[0].match_length)))
+            return [found[0].tokens[:length]] + [c.tokens[: max(1, length // 2)] for c in found[1:]]
+        chain = corpus.continuation(corpus.match(index.tokens), self.corpus_max_tokens,
+                                    self.corpus_share) if corpus is not None else []
+        return [chain] if chain else []

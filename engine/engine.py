@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .attention import use_wide_attention
 from .cache import GrowingCache
+from .corpus import DEFAULT_CORPUS, CorpusIndex
 from .draft.checkpoint import DEFAULT_HEAD, load_head
 from .draft.drafter import Drafter
 from .draft.head import DraftHead
@@ -42,6 +43,7 @@ class Engine:
         follow_load: bool = True,
         kernels: str = "float",
         gguf: Path | None = None,
+        corpus: CorpusIndex | None = None,
     ):
         """pack: replace the CPU linear layers of model and head by oneDNN-packed ones (engine.packed) and, for a
         model wholly on the CPU, its attention by engine.attention's: every row of a forward then comes out the same
@@ -50,8 +52,15 @@ class Engine:
         (engine.threads); the output does not depend on the thread count.
         kernels="q4" or "int8": first replace the base model's float32 linear layers by engine.quant's grouped
         ones (int8: on int8 activations), holding the groups of the GGUF file `gguf` where it has them, else
-        quantizing (engine.quant.quantize_linears); a head on such a model is quantized to Q8_0, on the same kernels."""
+        quantizing (engine.quant.quantize_linears); a head on such a model is quantized to Q8_0, on the same kernels.
+        corpus: the model's own replies to other prompts, in its tokenizer's ids, to draft from where the context
+        has nothing (engine.corpus)."""
         self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
+        vocab = model.config.get_text_config().vocab_size
+        if corpus is not None and corpus.max_token >= vocab:
+            raise ValueError(f"the corpus holds token id {corpus.max_token}, past this model's vocabulary of "
+                             f"{vocab}: it was tokenized for another model")
+        self.corpus = corpus
         grouped = kernels in GROUPED
         self.quantized_layers = quantize_linears(model, gguf, int8=kernels == "int8") if grouped else 0
         self.kernels = _kernels_of(model)
@@ -97,8 +106,11 @@ class Engine:
         pack: bool = True,
         follow_load: bool = True,
         kernels: str = "auto",
+        corpus: str | list[str | Path] | None = "default",
     ) -> "Engine":
-        """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise.
+        """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise;
+        corpus="default" the self-distilled replies in data/selfdistill for the embedded base, none otherwise (else
+        a list of record files: engine.corpus, engine.train.store).
 
         dtype "auto" is bfloat16 where the engine is exact and faster in it (see _auto_dtype), float32 elsewhere;
         quantization, attn and max_memory (a per-GPU cap for device="auto") are explained in engine.models;
@@ -111,8 +123,11 @@ class Engine:
         (engine.quant.resolve_kernels); q4 and int8 run in float32, and it is that model that plain decoding and
         EAGLE both decode.
         """
+        embedded = base in (None, "", DEFAULT_BASE)
         if head == "default":
-            head = DEFAULT_HEAD if base in (None, "", DEFAULT_BASE) and DEFAULT_HEAD.exists() else None
+            head = DEFAULT_HEAD if embedded and DEFAULT_HEAD.exists() else None
+        if corpus == "default":
+            corpus = DEFAULT_CORPUS if embedded else None
         if head and attn == "flash_attention_2":
             raise ValueError("flash_attention_2 cannot apply the tree mask that EAGLE verification needs: "
                              "use attn='sdpa' with a draft head (flash_attention_2 serves plain decoding only)")
@@ -124,13 +139,15 @@ class Engine:
             base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
         )
         draft = _load_head(head, model, head_dtype, pack, kernels) if head else None
-        return cls(model, tokenizer, draft, pack=pack, follow_load=follow_load, kernels=kernels, gguf=gguf)
+        replies = CorpusIndex.from_files(corpus) if corpus else None
+        return cls(model, tokenizer, draft, pack=pack, follow_load=follow_load, kernels=kernels, gguf=gguf,
+                   corpus=replies)
 
     def with_head(self, head: str | Path, head_dtype: str | None = None) -> "Engine":
         """Another engine on this one's base model (shared, not copied) that drafts with another head: for comparing
         heads side by side. The two share one lock, as they share the model: one generation at a time."""
         other = Engine(self.model, self.tokenizer, _load_head(head, self.model, head_dtype, self.pack, self.kernels),
-                       pack=self.pack)
+                       pack=self.pack, corpus=self.corpus)
         other._lock, other.threads = self._lock, self.threads
         return other
 
@@ -192,7 +209,8 @@ class Engine:
                 self.threads.start()
             ids = list(prompt_ids)
             try:
-                for step in decode(self.target, drafter, prompt_ids, params, self.stop_ids, cache, self.gate):
+                for step in decode(self.target, drafter, prompt_ids, params, self.stop_ids, cache, self.gate,
+                                   self.corpus):
                     ids += step.tokens
                     yield step
                     if self.threads is not None:

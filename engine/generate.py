@@ -18,6 +18,7 @@ from transformers import Cache
 
 from .cache import keep_path
 from .context import ContextIndex
+from .corpus import CorpusIndex
 from .draft.drafter import Drafter
 from .gate import HeadGate
 from .params import DecodeParams
@@ -62,6 +63,7 @@ class Sequence:
     root: int = -1  # the last token produced: the next tree's root, not yet in the base cache
     produced: int = 0  # tokens yielded so far
     context: ContextIndex | None = None  # the prompt and every token produced, when drafting from them
+    corpus: CorpusIndex | None = None  # the model's replies to other prompts, when drafting from them too
 
     @property
     def cached(self) -> int:
@@ -143,7 +145,7 @@ def plain_step(
 def draft(drafter: Drafter | None, seq: Sequence, params: DecodeParams) -> DraftTree:
     """The round's tree: the context's chains under the root and the head's tree in the budget they leave
     (params.tree.beside); either may be missing: no head (method suffix), no match, context drafting off."""
-    chains = params.context.chains(seq.context) if seq.context is not None else []
+    chains = params.context.chains(seq.context, seq.corpus) if seq.context is not None else []
     head_tree = params.tree.beside(sum(map(len, chains))) if drafter is not None else None
     tree = drafter.propose(seq.root, head_tree) if head_tree is not None else DraftTree.bare(seq.root)
     return graft(tree, chains)
@@ -221,16 +223,20 @@ def finish(step: Step, seq: Sequence, params: DecodeParams, stop_ids: set[int], 
 def decode(
     target: Target, drafter: Drafter | None, prompt_ids: list[int], params: DecodeParams,
     stop_ids: tuple[int, ...] = (), cache: Cache | None = None, gate: HeadGate | None = None,
+    corpus: CorpusIndex | None = None,
 ) -> Iterator[Step]:
     """Generate from prompt_ids, one Step per base-model forward. Closing the iterator stops decoding at once (at a
     yield, where the cache and the drafter hold exactly the tokens yielded so far, and the ones a cut step dropped).
     cache: a new one by default; else one holding the prompt's first positions, the drafter the same slots.
-    gate: the head gate params.gate asks for, carried over from earlier generations (default: a new one)."""
+    gate: the head gate params.gate asks for, carried over from earlier generations (default: a new one).
+    corpus: what to draft from where the context has nothing, if params.corpus asks for it."""
     check_prompt(prompt_ids, target.max_context)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     stops, sampling = set(stop_ids), params.sampling
     cache = target.new_cache() if cache is None else cache
-    seq = Sequence(len(prompt_ids), cache, context=ContextIndex() if params.drafts_from_context else None)
+    context = params.drafts_from_context
+    seq = Sequence(len(prompt_ids), cache, context=ContextIndex() if context else None,
+                   corpus=corpus if context and params.corpus else None)
     gate = (gate or HeadGate()) if params.gated and drafter is not None else None
     start = time.perf_counter()
     step = prefill(target, drafter, prompt_ids, seq, sampling, generator)

@@ -26,6 +26,9 @@ class DecodeParams:
     sampling: Sampling = field(default_factory=Sampling)
     tree: TreeSpec = field(default_factory=DynamicTree)
     context: ContextDraft | None = field(default_factory=ContextDraft)  # None: no drafting from the context
+    # where the context drafts nothing, draft from the engine's corpus of the model's own replies (Engine.corpus),
+    # when it has one; part of context drafting, so off with it
+    corpus: bool = True
     seed: int | None = None
     # Every n rounds a speculative method decodes a run of `plain_run` plain steps instead (0: never), timed
     # like plain decoding under the turn's own conditions: the app's speedup meter divides by them. The output does
@@ -63,7 +66,8 @@ class DecodeParams:
     def max_levels(self) -> int:
         """Deepest drafted level a round's tree can have: the head's tree or the context's longest chain."""
         head = self.tree.max_levels if self.method == "eagle" else 0
-        return max(head, self.context.max_tokens if self.drafts_from_context else 0)
+        context = max(self.context.max_tokens, self.context.corpus_max_tokens) if self.drafts_from_context else 0
+        return max(head, context)
 
     def plain_round(self, index: int) -> bool:
         """Whether decoding round `index` (0 = the first after the prefill) is a plain step: runs of plain_run from

@@ -40,6 +40,7 @@ PREFIXES = "tests/test_prefixes.py"
 QUANT = "tests/test_quant.py"
 ATTENTION = "tests/test_attention.py"
 METER = "tests/test_meter.py"
+CORPUS = "tests/test_corpus.py"
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,12 @@ MUTANTS = [
            "the benchmark counts a base forward per token, not per round"),
     Mutant("saved-config-default-rope", "engine/draft/config.py", '"rope_theta": self.rope_theta,',
            '"rope_theta": 10000.0,', (CHECKPOINT,), "a saved head's config loses its rope_theta"),
+    Mutant("corpus-continues-at-the-match", "engine/corpus.py", "starts = [self._ends[row] + 1 for",
+           "starts = [self._ends[row] for", (CORPUS,),
+           "the corpus's chains start with the match's last token instead of what followed it"),
+    Mutant("corpus-splits-the-end-vote", "engine/corpus.py", "Counter(max(tokens[s + offset], -1) for",
+           "Counter(tokens[s + offset] for", (CORPUS,),
+           "replies that end after the match each vote apart, so a minority's token outvotes the end"),
 ]
 
 

@@ -109,6 +109,26 @@ def randomized_pit(token: int, probs: Sequence[float], u: float) -> float:
 LogProbs = Callable[[tuple[int, ...]], Sequence[float]]  # draft log-probs over draft ids after a token path
 
 
+def copied_draft_pits(engine, prompt: list[int], params_of_seed: Callable[[int], object],
+                      seeds: Iterable[int] = range(40)) -> tuple[list[float], int]:
+    """Sample an answer per seed (engine.generate with params_of_seed(seed)); return the randomized PIT of every
+    sampled token against the target law of one plain forward over the answer, and how many tokens were accepted
+    from chains copied without the head (Step.from_context: the context's or the corpus's)."""
+    u = torch.Generator().manual_seed(0)
+    pits, copied = [], 0
+    for seed in seeds:
+        params = params_of_seed(seed)
+        steps = list(engine.generate(prompt, params))
+        copied += sum(sum(s.from_context) for s in steps)
+        tokens = [t for s in steps for t in s.tokens]
+        with torch.inference_mode():
+            logits = engine.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
+        for token, row in zip(tokens, logits):
+            pits.append(randomized_pit(token, target_probs(row.tolist(), params.sampling.temperature),
+                                       float(torch.rand((), generator=u))))
+    return pits, copied
+
+
 def dynamic_tree_reference(
     log_probs: LogProbs, to_target: Callable[[int], int], top_k: int, depth: int, total_tokens: int
 ) -> dict[tuple[int, ...], float]:

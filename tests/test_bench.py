@@ -11,6 +11,7 @@ from engine.tools.bench import METHODS, exactness_exempt, main
 from engine.tools.report import exactness_warnings, print_table, summarize
 from engine.tools.runs import Run
 from engine.tools import tune_tree
+from engine.train.store import save_records
 from engine.tree import DynamicTree
 from engine.draft.checkpoint import new_head, save_head
 from engine.models import auto_dtype, load_tokenizer
@@ -266,11 +267,17 @@ def test_tune_tree_grid_holds_every_setting_that_can_fill_its_budget():
     assert len(grid) == len(set(grid)) == 14
 
 
-def test_tune_tree_times_every_tree_with_every_context_policy(assets, capsys):
+def test_tune_tree_times_every_tree_with_every_context_policy(assets, capsys, tmp_path):
+    corpus = tmp_path / "replies.npz"
+    save_records([{"id": str(i), "input_ids": list(range(i, i + 20)), "prompt_len": 2} for i in range(20)], corpus)
     tune_tree.main(["--base", str(assets / "base"), "--head", str(assets / "head"), "--dtype", "float32",
                     "--questions", str(assets / "questions.jsonl"), "--max-new-tokens", str(MAX_NEW),
-                    "--total-tokens", "2,3", "--depth", "1", "--draft-top-k", "2", "--min-match", "1,3"])
+                    "--total-tokens", "2,3", "--depth", "1", "--draft-top-k", "2", "--min-match", "1,3",
+                    "--methods", "eagle,suffix", "--corpus", str(corpus), "--corpus-share", "off,0.5"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    settings = {(row[0], row[4]) for row in rows}
-    assert settings == {("2", "1"), ("2", "3"), ("3", "1"), ("3", "3")}
+    settings = {(row[0], row[1], row[5], row[6]) for row in rows}
+    contexts = {(m, c) for m in ("1", "3") for c in ("off", "0.50x1")}
+    assert settings == {("eagle", t, m, c) for t in ("2", "3") for m, c in contexts} | {
+        ("suffix", "-", m, c) for m, c in contexts}
+    assert len(rows) == len(settings) == 12
     assert all(row[-1] == f"{len(QUESTIONS)}/{len(QUESTIONS)}" for row in rows), "every answer is vanilla's"

@@ -10,7 +10,7 @@ from engine import DecodeParams, DynamicTree, StaticTree
 from engine.context import ContextDraft, ContextIndex
 from engine.tree import DraftTree, graft
 from engine.verify import Sampling
-from oracles import ALPHA, randomized_pit, target_probs, uniformity_pvalue
+from oracles import ALPHA, copied_draft_pits, uniformity_pvalue
 
 NEW_TOKENS = 80
 
@@ -111,9 +111,9 @@ class RecordingDraft(ContextDraft):
 
     seen: list = field(default_factory=list, compare=False)
 
-    def chains(self, index: ContextIndex) -> list[list[int]]:
+    def chains(self, index: ContextIndex, corpus=None) -> list[list[int]]:
         self.seen.append(list(index.tokens))
-        return super().chains(index)
+        return super().chains(index, corpus)
 
 
 @pytest.mark.parametrize("method", ["eagle", "suffix"])
@@ -134,21 +134,10 @@ def test_sampling_through_context_chains_draws_the_target_law(method):
     """Every sampled token passes the randomized probability integral transform against the target law from one
     plain forward over the output, with many of them accepted from context chains (q = 1 for those, too)."""
     engine = tiny_engine("llama-h48-l7-mqa", "eagle3")
-    model, sampling = engine.model, Sampling(0.6)
     prompt = [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5]
-    u = torch.Generator().manual_seed(0)
-    pits, from_context = [], 0
     chains = ContextDraft(min_match=1)  # sampled text rarely repeats 2 tokens: draft from every match, to test many
-    for seed in range(40):
-        params = DecodeParams(method=method, max_new_tokens=24, sampling=sampling, seed=seed, context=chains)
-        steps = list(engine.generate(prompt, params))
-        from_context += sum(sum(s.from_context) for s in steps)
-        tokens = tokens_of(steps)
-        with torch.inference_mode():
-            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
-        for token, row in zip(tokens, logits):
-            pits.append(randomized_pit(token, target_probs(row.tolist(), sampling.temperature),
-                                       float(torch.rand((), generator=u))))
+    pits, from_context = copied_draft_pits(engine, prompt, lambda seed: DecodeParams(
+        method=method, max_new_tokens=24, sampling=Sampling(0.6), seed=seed, context=chains))
     assert from_context >= 60, f"only {from_context} sampled tokens came from context chains"
     assert uniformity_pvalue(pits) > ALPHA
 
@@ -185,3 +174,15 @@ def test_bench_no_suffix_turns_context_off_and_refuses_method_suffix(tmp_path):
                              "--no-suffix"])).params.context is None
     with pytest.raises(ValueError, match="no-suffix"):
         check_args(parse(["--questions", str(questions), "--methods", "eagle,suffix", "--no-suffix"]))
+
+
+def test_real_model_greedy_equals_vanilla_drafting_from_its_own_replies(real_engine):
+    """The embedded model's corpus (data/selfdistill): drafts where the context has none, and the same tokens."""
+    assert real_engine.corpus is not None and len(real_engine.corpus) > 4_000_000
+    ids = real_engine.encode_chat([{"role": "user", "content": "Give me three tips for a good night's sleep."}])
+    vanilla = tokens_of(real_engine.generate(ids, method="vanilla", max_new_tokens=64))
+    for method in ("eagle", "suffix"):
+        steps = list(real_engine.generate(ids, method=method, max_new_tokens=64))
+        alone = list(real_engine.generate(ids, method=method, max_new_tokens=64, corpus=False))
+        assert tokens_of(steps) == tokens_of(alone) == vanilla, method
+        assert _context_tokens(steps) >= _context_tokens(alone) + 3, method

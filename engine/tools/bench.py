@@ -5,7 +5,8 @@ Methods:
   eagle    the engine with its draft head (EAGLE trees, lossless verification), the context's continuations
            grafted on (--no-suffix: the head alone)
   suffix   the engine drafting from the context alone (what followed the longest earlier match of the text's end,
-           engine/context.py): no head needed
+           engine/context.py) and, where it has nothing, from the model's own replies to other prompts (--corpus,
+           engine/corpus.py): no head needed
   eagle-gated  eagle with the head gate (engine/gate.py): the head drafts only in the rounds where measuring in the
            answer says it pays, the context alone in the others
   hf       transformers `generate` on the same model, as transformers runs it (stock layers, SDPA attention), in
@@ -59,6 +60,7 @@ from ..params import METHODS as ENGINE_METHODS
 from ..progress import progress_bar
 from ..params import DYNAMIC_TREE_OPTIONS, DecodeParams
 from ..tree import TREES, DynamicTree
+from ..corpus import CORPUS_HELP, parse_corpus
 from ..quant import GROUPED, KERNELS, KERNELS_HELP, gguf_file
 from .costs import verification_curve
 from .llamacpp import LlamaCpp, decode_tokens_per_s
@@ -176,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-suffix", dest="context", action="store_false",
         help="eagle drafts with the head alone, without the context's continuations")
     add("--kernels", default="auto", choices=list(KERNELS), help=KERNELS_HELP)
+    add("--corpus", nargs="+", default=["default"], metavar="CORPUS", help=CORPUS_HELP)
     add("--no-pack", dest="pack", action="store_false",
         help="keep the engine's CPU linear layers as transformers has them (no oneDNN packing)")
     add("--verify-curve", default=None, metavar="SIZES",
@@ -214,7 +217,8 @@ def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
     --compare-head name; setup.methods loses them when there is no head and gains the compared heads' names."""
     head = None if args.head.lower() == "none" else args.head
     engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                         pack=args.pack, follow_load=args.follow_load, kernels=args.kernels)
+                         pack=args.pack, follow_load=args.follow_load, kernels=args.kernels,
+                         corpus=parse_corpus(args.corpus))
     engines = dict.fromkeys((*ENGINE_METHODS, GATED), engine)
     for name, compare_head in setup.compare_heads.items():
         try:

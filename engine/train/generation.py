@@ -49,7 +49,7 @@ def load_grouped_engine(base: str | None, device: str, dtype: str, kernels: str)
     int8 on the CPU), whose rows are batch-invariant in transformers' forward too; None where the kernels resolve
     to float layers."""
     chosen = resolve_kernels(kernels, device, dtype, True, "none", gguf_file(base))
-    return Engine.load(base, head=None, device=device, kernels=chosen) if chosen in GROUPED else None
+    return Engine.load(base, head=None, device=device, kernels=chosen, corpus=None) if chosen in GROUPED else None
 
 
 def load_generation_model(base: str | None, device: str, gen_dtype: str = "auto", kernels: str = "auto"):

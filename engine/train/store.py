@@ -49,8 +49,9 @@ def save_records(records: list[dict], path: str | Path, meta: dict | None = None
     return summary
 
 
-def load_records(path: str | Path) -> list[dict]:
-    """The records of a file written by save_records, in its order."""
+def load_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray, list[int], list[str]]:
+    """A file written by save_records as arrays: all tokens (int64), the records' offsets into them (one more
+    than records), prompt lengths and ids."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"record file {path} does not exist")
@@ -63,6 +64,11 @@ def load_records(path: str | Path) -> list[dict]:
         prompt_lens, ids = data["prompt_lens"].tolist(), data["ids"].tolist()
     if len(offsets) != len(ids) + 1 or offsets[-1] != len(tokens):
         raise ValueError(f"{path} is damaged: its offsets do not match its {len(tokens)} tokens and {len(ids)} ids")
+    return tokens, offsets, prompt_lens, ids
+
+
+def load_records(path: str | Path) -> list[dict]:
+    """The records of a file written by save_records, in its order."""
+    tokens, offsets, prompt_lens, ids = load_arrays(path)
     return [{"id": ident, "input_ids": tokens[offsets[i]:offsets[i + 1]].tolist(), "prompt_len": prompt_lens[i]}
             for i, ident in enumerate(ids)]
-
