@@ -1,15 +1,19 @@
 """Shared fixtures: tiny random-weight base models of several shapes and families, with random draft heads."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields, replace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from engine import Engine
+from engine.context import ContextDraft, ContextIndex
 from engine.draft.checkpoint import new_head, place_head
 from engine.draft.drafter import Drafter
 from engine.gate import HeadGate
 from engine.packed import packable_dtypes
+from oracles import randomized_pit, target_probs
 
 # Tiny models gain nothing from threads, and extra threads thrash when several test processes share the CPU.
 torch.set_num_threads(1)
@@ -102,3 +106,49 @@ def tokens_of(steps) -> list[int]:
 @pytest.fixture
 def prompt() -> list[int]:
     return torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+@dataclass(frozen=True)
+class RecordingDraft(ContextDraft):
+    """ContextDraft that keeps, at every round, the index's text and the chains it drafted."""
+
+    seen: list = field(default_factory=list, compare=False)
+
+    @classmethod
+    def like(cls, draft: ContextDraft) -> RecordingDraft:
+        return cls(**{f.name: getattr(draft, f.name) for f in fields(ContextDraft)})
+
+    def chains(self, index: ContextIndex, corpus=None) -> list[list[int]]:
+        chains = super().chains(index, corpus)
+        self.seen.append((list(index.tokens), chains))
+        return chains
+
+
+@dataclass
+class CopiedDraftSample:
+    pits: list[float]  # randomized PIT of every sampled token against the target law
+    drafts: list[tuple[bool, float]]  # per chain's first token: drawn or not, its target probability
+    copied: int  # tokens accepted from chains copied without the head (the context's or the corpus's)
+
+
+def sample_through_copied_drafts(engine: Engine, prompt: list[int], params_of_seed,
+                                 seeds=range(40)) -> CopiedDraftSample:
+    """Sample an answer per seed (params_of_seed(seed): DecodeParams with a context draft) and judge every token
+    against the target law of one plain forward over the answer (oracles: randomized_pit, drafted_frequency)."""
+    u = torch.Generator().manual_seed(0)
+    sample = CopiedDraftSample([], [], 0)
+    for seed in seeds:
+        params = params_of_seed(seed)
+        recorder = RecordingDraft.like(params.context)
+        steps = list(engine.generate(prompt, replace(params, context=recorder)))
+        sample.copied += sum(sum(s.from_context) for s in steps)
+        text = prompt + tokens_of(steps)
+        with torch.inference_mode():
+            logits = engine.model(torch.tensor([text])).logits[0]
+        law = [target_probs(logits[i].tolist(), params.sampling.temperature) for i in range(len(text) - 1)]
+        for i in range(len(prompt), len(text)):
+            sample.pits.append(randomized_pit(text[i], law[i - 1], float(torch.rand((), generator=u))))
+        for seen, chains in recorder.seen:
+            at = len(seen)  # the chains' first tokens are drafts for text[at]
+            sample.drafts += [(text[at] == chain[0], law[at - 1][chain[0]]) for chain in chains]
+    return sample

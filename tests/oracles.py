@@ -106,27 +106,18 @@ def randomized_pit(token: int, probs: Sequence[float], u: float) -> float:
     return above + u * probs[token]
 
 
+def drafted_frequency_pvalue(drafts: Sequence[tuple[bool, float]]) -> float:
+    """Two-sided p-value that deterministic drafts were drawn as often as the target law says: each entry is
+    (whether the sampled token was the drafted one, the drafted token's target probability). Lossless sampling
+    outputs a drafted token x with probability p(x) exactly; a sampler that favours drafts (say, drawing the
+    bonus from the whole law after rejecting x) outputs it more often. A normal approximation, its variance the
+    sum of p(1 - p) (an upper bound when a round drafts several siblings, whose indicators exclude each other)."""
+    excess = sum(float(hit) - p for hit, p in drafts)
+    variance = sum(p * (1 - p) for _, p in drafts)
+    return math.erfc(abs(excess) / math.sqrt(2 * variance)) if variance else 1.0
+
+
 LogProbs = Callable[[tuple[int, ...]], Sequence[float]]  # draft log-probs over draft ids after a token path
-
-
-def copied_draft_pits(engine, prompt: list[int], params_of_seed: Callable[[int], object],
-                      seeds: Iterable[int] = range(40)) -> tuple[list[float], int]:
-    """Sample an answer per seed (engine.generate with params_of_seed(seed)); return the randomized PIT of every
-    sampled token against the target law of one plain forward over the answer, and how many tokens were accepted
-    from chains copied without the head (Step.from_context: the context's or the corpus's)."""
-    u = torch.Generator().manual_seed(0)
-    pits, copied = [], 0
-    for seed in seeds:
-        params = params_of_seed(seed)
-        steps = list(engine.generate(prompt, params))
-        copied += sum(sum(s.from_context) for s in steps)
-        tokens = [t for s in steps for t in s.tokens]
-        with torch.inference_mode():
-            logits = engine.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
-        for token, row in zip(tokens, logits):
-            pits.append(randomized_pit(token, target_probs(row.tolist(), params.sampling.temperature),
-                                       float(torch.rand((), generator=u))))
-    return pits, copied
 
 
 def dynamic_tree_reference(

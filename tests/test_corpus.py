@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import IdsOnlyTokenizer, tiny_base, tiny_engine, tokens_of
+from conftest import IdsOnlyTokenizer, sample_through_copied_drafts, tiny_base, tiny_engine, tokens_of
 from engine import DecodeParams, Engine
 from engine import corpus as corpus_module
 from engine.context import ContextDraft
 from engine.corpus import DEPTH, VOTERS, CorpusIndex, parse_corpus
 from engine.train.store import save_records
 from engine.verify import Sampling
-from oracles import ALPHA, copied_draft_pits, uniformity_pvalue
+from oracles import ALPHA, drafted_frequency_pvalue, uniformity_pvalue
 
 END = -1  # what brute force reads past a reply's last token
 
@@ -182,7 +182,8 @@ def test_sampling_through_corpus_chains_draws_the_target_law(method):
     engine.corpus = CorpusIndex([tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=24,
                                                            temperature=sampling.temperature, seed=100 + s))
                                  for s in range(20)], cache=False)
-    pits, from_corpus = copied_draft_pits(engine, prompt, lambda seed: DecodeParams(
+    sample = sample_through_copied_drafts(engine, prompt, lambda seed: DecodeParams(
         method=method, max_new_tokens=24, sampling=sampling, seed=seed, context=CORPUS_ONLY))
-    assert from_corpus >= 60, f"only {from_corpus} sampled tokens came from the corpus's chains"
-    assert uniformity_pvalue(pits) > ALPHA
+    assert sample.copied >= 60, f"only {sample.copied} sampled tokens came from the corpus's chains"
+    assert drafted_frequency_pvalue(sample.drafts) > ALPHA
+    assert uniformity_pvalue(sample.pits) > ALPHA

@@ -1,16 +1,14 @@
 """Drafting from the context: chains grafted into the head's tree (or alone, method suffix) keep decoding lossless,
 greedy and sampled, and the context index always holds exactly the prompt and the committed tokens."""
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
-from conftest import SHAPES, tiny_engine, tokens_of
+from conftest import SHAPES, RecordingDraft, sample_through_copied_drafts, tiny_engine, tokens_of
 from engine import DecodeParams, DynamicTree, StaticTree
 from engine.context import ContextDraft, ContextIndex
 from engine.tree import DraftTree, graft
 from engine.verify import Sampling
-from oracles import ALPHA, copied_draft_pits, uniformity_pvalue
+from oracles import ALPHA, drafted_frequency_pvalue, uniformity_pvalue
 
 NEW_TOKENS = 80
 
@@ -105,17 +103,6 @@ def test_a_model_that_repeats_gets_whole_chains_past_the_heads_depth(shape, repe
     assert len(steps) <= 2 + NEW_TOKENS // longest, "every round should accept the whole chain"
 
 
-@dataclass(frozen=True)
-class RecordingDraft(ContextDraft):
-    """ContextDraft that keeps the index's text at every round."""
-
-    seen: list = field(default_factory=list, compare=False)
-
-    def chains(self, index: ContextIndex, corpus=None) -> list[list[int]]:
-        self.seen.append(list(index.tokens))
-        return super().chains(index, corpus)
-
-
 @pytest.mark.parametrize("method", ["eagle", "suffix"])
 @pytest.mark.parametrize("plain_every", [0, 3])
 def test_the_index_holds_the_prompt_and_every_committed_token(method, plain_every, prompt):
@@ -125,7 +112,7 @@ def test_the_index_holds_the_prompt_and_every_committed_token(method, plain_ever
     steps = list(engine.generate(prompt, params))
     speculative = [i for i, s in enumerate(steps) if s.kind == "speculative"]
     assert len(draft.seen) == len(speculative) > 0
-    for text, i in zip(draft.seen, speculative):
+    for (text, _), i in zip(draft.seen, speculative):
         assert text == prompt + tokens_of(steps[:i])
 
 
@@ -136,10 +123,11 @@ def test_sampling_through_context_chains_draws_the_target_law(method):
     engine = tiny_engine("llama-h48-l7-mqa", "eagle3")
     prompt = [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5]
     chains = ContextDraft(min_match=1)  # sampled text rarely repeats 2 tokens: draft from every match, to test many
-    pits, from_context = copied_draft_pits(engine, prompt, lambda seed: DecodeParams(
+    sample = sample_through_copied_drafts(engine, prompt, lambda seed: DecodeParams(
         method=method, max_new_tokens=24, sampling=Sampling(0.6), seed=seed, context=chains))
-    assert from_context >= 60, f"only {from_context} sampled tokens came from context chains"
-    assert uniformity_pvalue(pits) > ALPHA
+    assert sample.copied >= 60, f"only {sample.copied} sampled tokens came from context chains"
+    assert drafted_frequency_pvalue(sample.drafts) > ALPHA
+    assert uniformity_pvalue(sample.pits) > ALPHA
 
 
 @pytest.fixture(scope="module")
