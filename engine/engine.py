@@ -131,6 +131,7 @@ class Engine:
         if head and attn == "flash_attention_2":
             raise ValueError("flash_attention_2 cannot apply the tree mask that EAGLE verification needs: "
                              "use attn='sdpa' with a draft head (flash_attention_2 serves plain decoding only)")
+        replies = CorpusIndex.from_files(corpus) if corpus else None  # a wrong file fails before the model loads
         gguf = gguf_file(base)
         kernels = resolve_kernels(kernels, device, dtype, pack, quantization, gguf)
         if dtype == "auto":
@@ -139,7 +140,6 @@ class Engine:
             base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
         )
         draft = _load_head(head, model, head_dtype, pack, kernels) if head else None
-        replies = CorpusIndex.from_files(corpus) if corpus else None
         return cls(model, tokenizer, draft, pack=pack, follow_load=follow_load, kernels=kernels, gguf=gguf,
                    corpus=replies)
 

@@ -58,6 +58,16 @@ def test_a_load_error_stops_the_app_with_one_clear_line(main_module, monkeypatch
         main_module.main(["--head", "/x"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--corpus", "/no/such.npz"], "record file /no/such.npz does not exist"),
+    (["--corpus", "default", "/x.npz"], '--corpus takes "default", "none" or files, not a mix'),
+])
+def test_a_bad_corpus_stops_the_app_before_the_model_loads(main_module, monkeypatch, argv, message):
+    monkeypatch.setattr("engine.engine.load_base", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit, match=f"^app.py: error: {re.escape(message)}$"):
+        main_module.main(argv)
+
+
 def test_the_loaded_engine_is_out_of_the_collectors_sight(main_module, monkeypatch):
     """A full collection walking start-up's objects would stall an answer's step by ~0.25 s (engine.freeze_heap)."""
     from app.chat import EngineThread
