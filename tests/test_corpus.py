@@ -133,6 +133,15 @@ def test_the_sorted_index_is_kept_on_disk_and_rebuilt_when_damaged(tmp_path, mon
     assert np.array_equal(np.load(kept), first.ends)
 
 
+def test_an_unwritable_cache_still_gives_the_index(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("EAGLE_CHAT_CACHE", str(blocker))
+    replies = random_replies(random.Random(1), 5)
+    assert np.array_equal(CorpusIndex(replies).ends, CorpusIndex(replies, cache=False).ends)
+    assert "could not keep the corpus index" in caplog.text
+
+
 def test_corpus_options_and_a_corpus_for_another_vocabulary():
     assert parse_corpus(["default"]) == "default" and parse_corpus(["none"]) is None
     assert parse_corpus(["a.npz", "b.npz"]) == ["a.npz", "b.npz"]
