@@ -14,7 +14,7 @@ from app.zerogpu import on_gpu  # before torch: on ZeroGPU hardware `spaces` mus
 
 from engine import CheckpointError, DecodeParams, Engine, freeze_heap
 from engine.models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS
-from engine.corpus import CORPUS_HELP, parse_corpus
+from engine.corpus import add_corpus_argument, parse_corpus
 from engine.quant import KERNELS, KERNELS_HELP
 
 from app.api import Access, Api, model_ids, serve
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--quantization", default="none", choices=list(QUANTIZATIONS),
         help="bitsandbytes weights, for Hugging Face checkpoints")
     add("--kernels", default="auto", choices=list(KERNELS), help=KERNELS_HELP)
-    add("--corpus", nargs="+", default=["default"], metavar="CORPUS", help=CORPUS_HELP)
+    add_corpus_argument(parser)
     add("--max-memory", help="with --device auto or cuda:N: the most each GPU may hold, e.g. 20GiB")
     add("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     add("--port", type=int, help="port (default 7860, or the next free one)")

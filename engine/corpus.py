@@ -11,6 +11,7 @@ output never changes (README, "Drafting from the model's own replies").
 """
 from __future__ import annotations
 
+import argparse
 import bisect
 import hashlib
 import logging
@@ -29,9 +30,15 @@ DEPTH = 32  # longest match looked for, in tokens: replies are sorted by their l
 VOTERS = 256  # occurrences of a match that vote on its continuation, evenly spread over them
 DEFAULT_CORPUS = sorted((Path(__file__).resolve().parent.parent / "data" / "selfdistill").glob("*.npz"))
 _BEFORE_START = -(1 << 40)  # below every token and separator: what precedes the stream's first token
-CORPUS_HELP = ('replies of the base model to draft from where the context has nothing: "default" = data/selfdistill '
-               'for the embedded base (none for another), "none", or training-record .npz files (engine.train export)')
 log = logging.getLogger(__name__)
+
+
+def add_corpus_argument(parser: argparse.ArgumentParser) -> None:
+    """--corpus, as app.py, the bench and tune_tree take it (parse_corpus turns it into Engine.load's corpus)."""
+    parser.add_argument("--corpus", nargs="+", default=["default"], metavar="CORPUS",
+                        help='replies of the base model to draft from where the context has nothing: "default" = '
+                             'data/selfdistill for the embedded base (none for another), "none", or training-record '
+                             '.npz files (engine.train export)')
 
 
 def parse_corpus(values: list[str]) -> str | list[str] | None:

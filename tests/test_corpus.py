@@ -158,8 +158,8 @@ CORPUS_ONLY = ContextDraft(min_match=10**6, corpus_share=0.0, corpus_max_tokens=
 NEW_TOKENS = 60
 
 
-def own_replies(engine: Engine, prompts: list[list[int]], **options) -> list[list[int]]:
-    return [tokens_of(engine.generate(p, method="vanilla", max_new_tokens=NEW_TOKENS, **options)) for p in prompts]
+def own_replies(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    return [tokens_of(engine.generate(p, method="vanilla", max_new_tokens=NEW_TOKENS)) for p in prompts]
 
 
 @pytest.mark.parametrize("shape", ["llama-h48-l7-mqa", "qwen2-h32-l10-tied"])

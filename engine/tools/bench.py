@@ -60,7 +60,7 @@ from ..params import METHODS as ENGINE_METHODS
 from ..progress import progress_bar
 from ..params import DYNAMIC_TREE_OPTIONS, DecodeParams
 from ..tree import TREES, DynamicTree
-from ..corpus import CORPUS_HELP, parse_corpus
+from ..corpus import add_corpus_argument, parse_corpus
 from ..quant import GROUPED, KERNELS, KERNELS_HELP, gguf_file
 from .costs import verification_curve
 from .llamacpp import LlamaCpp, decode_tokens_per_s
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-suffix", dest="context", action="store_false",
         help="eagle drafts with the head alone, without the context's continuations")
     add("--kernels", default="auto", choices=list(KERNELS), help=KERNELS_HELP)
-    add("--corpus", nargs="+", default=["default"], metavar="CORPUS", help=CORPUS_HELP)
+    add_corpus_argument(parser)
     add("--no-pack", dest="pack", action="store_false",
         help="keep the engine's CPU linear layers as transformers has them (no oneDNN packing)")
     add("--verify-curve", default=None, metavar="SIZES",

@@ -10,7 +10,7 @@ import argparse
 import itertools
 
 from ..context import ContextDraft
-from ..corpus import CORPUS_HELP, parse_corpus
+from ..corpus import add_corpus_argument, parse_corpus
 from ..engine import Engine
 from ..params import DecodeParams
 from ..progress import progress_bar
@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated values to try: the shortest match of the context that drafts a chain")
     parser.add_argument("--methods", default="eagle",
                         help="eagle (the tree grid above) and/or suffix (the context alone: one tree-less setting)")
-    parser.add_argument("--corpus", nargs="+", default=["default"], metavar="CORPUS", help=CORPUS_HELP)
+    add_corpus_argument(parser)
     parser.add_argument("--corpus-share", default=str(ContextDraft.corpus_share),
                         help="comma-separated values to try: the share of the replies sharing the text's end that must "
                              "agree on a token for the corpus to draft it (engine/corpus.py); 'off': no corpus")
