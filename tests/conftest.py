@@ -145,7 +145,9 @@ def sample_through_copied_drafts(engine: Engine, prompt: list[int], params_of_se
         text = prompt + tokens_of(steps)
         with torch.inference_mode():
             logits = engine.model(torch.tensor([text])).logits[0]
-        law = [target_probs(logits[i].tolist(), params.sampling.temperature) for i in range(len(text) - 1)]
+        # the law of text[i] at law[i - 1], for the answer's tokens only
+        law = {i: target_probs(logits[i].tolist(), params.sampling.temperature)
+               for i in range(len(prompt) - 1, len(text) - 1)}
         for i in range(len(prompt), len(text)):
             sample.pits.append(randomized_pit(text[i], law[i - 1], float(torch.rand((), generator=u))))
         for seen, chains in recorder.seen:
