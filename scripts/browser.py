@@ -71,10 +71,14 @@ def wait_for_answer(page: Page, answers_before: int, timeout_s: float = 120) -> 
     page.wait_for_function(_ANSWERED, arg=answers_before, timeout=timeout_s * 1000, polling=POLL_MS)
 
 
-def answer_afresh(page: Page, method_label: str, prompt: str, timeout_s: float = 300) -> dict[str, str]:
-    """Clear the chat, answer `prompt` with the method labelled `method_label`; returns the meter's figures."""
+def clear_chat(page: Page) -> None:
     page.click("#clear")
     page.wait_for_function("() => document.querySelectorAll('#chat div.eagle-msg').length === 0", timeout=30_000)
+
+
+def answer_afresh(page: Page, method_label: str, prompt: str, timeout_s: float = 300) -> dict[str, str]:
+    """Clear the chat, answer `prompt` with the method labelled `method_label`; returns the meter's figures."""
+    clear_chat(page)
     choose_method(page, method_label)
     wait_for_answer(page, send(page, prompt), timeout_s=timeout_s)
     return meter(page)

@@ -7,6 +7,10 @@ speed drifts by more than the gap being measured.
 
 The page's tokens/s are the meter's (decoding rounds; the prefill left out), the bench's its own (the prefill
 included, a few tens of ms an answer): issue #13 asks the page for ≥ 90 % of the bench. Run it on a quiet machine.
+
+The browser shares the decoder's cores: the CPU Chromium's processes use during each answer is measured, and the
+bench runs once more beside a synthetic load of that share (`engine.bench --busy`), which tells what the browser's
+share of the cores costs the decoder from what the app's own streaming costs it.
 """
 from __future__ import annotations
 
@@ -15,14 +19,16 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from statistics import mean
 
-from playwright.sync_api import Playwright, sync_playwright
+import psutil
+from playwright.sync_api import Page, Playwright, sync_playwright
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.browser import (  # noqa: E402
-    ROOT, answer_afresh, launch_chromium, open_app, set_number, start_app, stop_app,
+    ROOT, choose_method, clear_chat, launch_chromium, meter, open_app, send, set_number, start_app, stop_app, wait_for_answer,
 )
 
 PROMPT = "Explain how a bicycle works, step by step."
@@ -30,38 +36,77 @@ PROMPT = "Explain how a bicycle works, step by step."
 METHODS = {"vanilla": "Plain decoding", "eagle-gated": "EAGLE"}
 
 
-def page_speeds(playwright: Playwright, url: str, prompt: str, max_new_tokens: int) -> dict[str, float]:
-    """The meter's tokens/s for one answer by each method, in a browser opened for them and closed after."""
+def browser_cpu_s() -> float:
+    """CPU seconds Chromium's processes (this script's descendants) have used so far."""
+    total = 0.0
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.name().startswith("chrom"):
+                times = process.cpu_times()
+                total += times.user + times.system
+        except psutil.NoSuchProcess:  # a helper process that just ended
+            pass
+    return total
+
+
+def settle(quiet_share: float = 0.1, window_s: float = 0.5, timeout_s: float = 20) -> None:
+    """Wait until Chromium, having just loaded the page, uses under `quiet_share` of a core: a user reads the page
+    and types for seconds before the first answer, while an answer sent at once would share the cores with the
+    page's loading (half the first answer's speed here)."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        cpu = browser_cpu_s()
+        time.sleep(window_s)
+        if browser_cpu_s() - cpu < quiet_share * window_s:
+            return
+
+
+def answer(page: Page, label: str, prompt: str) -> tuple[float, float]:
+    """One answer afresh: (the meter's tokens/s, the cores Chromium used while it streamed)."""
+    clear_chat(page)
+    choose_method(page, label)
+    cpu, wall = browser_cpu_s(), time.perf_counter()
+    wait_for_answer(page, send(page, prompt), timeout_s=300)
+    share = (browser_cpu_s() - cpu) / (time.perf_counter() - wall)
+    return float(meter(page)["tps"]), share
+
+
+def page_speeds(playwright: Playwright, url: str, prompt: str, max_new_tokens: int) -> dict[str, tuple[float, float]]:
+    """By method, (tokens/s, browser cores) for one answer each, in a browser opened for them and closed after."""
     browser = launch_chromium(playwright)
     try:
         page = open_app(browser, url)
         set_number(page, "max-new-tokens", max_new_tokens)
-        return {method: float(answer_afresh(page, label, prompt)["tps"]) for method, label in METHODS.items()}
+        settle()
+        return {method: answer(page, label, prompt) for method, label in METHODS.items()}
     finally:
         browser.close()
 
 
-def bench_speeds(prompt: str, max_new_tokens: int, folder: Path) -> dict[str, float]:
-    """`python -m engine.bench` on the prompt alone: tokens/s by method."""
+def bench_speeds(prompt: str, max_new_tokens: int, folder: Path, methods: list[str], busy: float = 0) -> dict:
+    """`python -m engine.bench` on the prompt alone, beside `busy` cores of load: tokens/s by method."""
     questions, out = folder / "question.jsonl", folder / "bench.json"
     questions.write_text(json.dumps({"question_id": 1, "category": "page", "turns": [prompt]}) + "\n")
     subprocess.run([sys.executable, "-m", "engine.bench", "--questions", str(questions), "--max-new-tokens",
-                    str(max_new_tokens), "--methods", ",".join(METHODS), "--json", str(out)], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL)
+                    str(max_new_tokens), "--methods", ",".join(methods), "--busy", f"{busy:.3f}", "--json", str(out)],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     summary = json.loads(out.read_text())["summary"]
-    return {method: summary[method]["tokens_per_s"] for method in METHODS}
+    return {method: summary[method]["tokens_per_s"] for method in methods}
 
 
-def measure(prompt: str, max_new_tokens: int, pairs: int, folder: Path) -> list[dict[str, tuple[float, float]]]:
-    """For each pair, by method: (page tokens/s, bench tokens/s). The app waits idle while the bench runs."""
+def measure(prompt: str, max_new_tokens: int, pairs: int, folder: Path) -> list[dict[str, dict[str, float]]]:
+    """For each pair, by method: the page's tokens/s and browser cores, the bench's tokens/s quiet and beside a load
+    of those cores. The app waits idle while the bench runs."""
     process, url = start_app("--max-new-tokens", str(max_new_tokens), log=folder / "app.log")
     try:
         with sync_playwright() as playwright:
             rows = []
             for _ in range(pairs):
                 page = page_speeds(playwright, url, prompt, max_new_tokens)
-                bench = bench_speeds(prompt, max_new_tokens, folder)
-                rows.append({method: (page[method], bench[method]) for method in METHODS})
+                quiet = bench_speeds(prompt, max_new_tokens, folder, list(METHODS))
+                rows.append({method: {"page": tps, "browser": share, "bench": quiet[method],
+                                      "loaded": bench_speeds(prompt, max_new_tokens, folder, [method], share)[method]}
+                             for method, (tps, share) in page.items()})
             return rows
     finally:
         stop_app(process)
@@ -74,11 +119,17 @@ def main() -> None:
     parser.add_argument("--prompt", default=PROMPT)
     args = parser.parse_args()
     rows = measure(args.prompt, args.max_new_tokens, args.pairs, Path(tempfile.mkdtemp()))
-    print(f"{'method':11} {'page / bench tok/s, each pair':>44} {'page':>7} {'bench':>7} {'page/bench':>10}")
+    print("tok/s, the mean over the pairs; the bench quiet, and beside a load of the cores the browser used")
+    print(f"{'method':11} {'page':>7} {'bench':>7} {'page/bench':>10} {'browser':>8} {'bench+load':>10} "
+          f"{'page/(bench+load)':>17}")
     for method in METHODS:
-        each = "  ".join(f"{row[method][0]:.1f}/{row[method][1]:.1f}" for row in rows)
-        page, bench = (mean(row[method][i] for row in rows) for i in (0, 1))
-        print(f"{method:11} {each:>44} {page:7.1f} {bench:7.1f} {page / bench:10.0%}")
+        page, bench, share, loaded = (mean(row[method][key] for row in rows)
+                                      for key in ("page", "bench", "browser", "loaded"))
+        print(f"{method:11} {page:7.1f} {bench:7.1f} {page / bench:10.0%} {share:8.2f} {loaded:10.1f} "
+              f"{page / loaded:17.0%}")
+    for i, row in enumerate(rows, 1):
+        print(f"pair {i}: " + "  ".join(f"{method} {r['page']:.1f} / {r['bench']:.1f} / {r['loaded']:.1f} "
+                                       f"({r['browser']:.2f} core)" for method, r in row.items()))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """The benchmark command end to end on a tiny random Llama with the real SmolLM2 tokenizer and a random EAGLE-3 head."""
 import json
+import math
+import time
 
+import psutil
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import tokens_of
 from engine import DecodeParams, Engine
-from engine.tools.bench import METHODS, exactness_exempt, main
+from engine.tools.bench import METHODS, busy_processes, exactness_exempt, main
 from engine.tools.report import exactness_warnings, print_table, summarize
 from engine.tools.runs import Run
 from engine.tools import tune_tree
@@ -179,6 +182,32 @@ def test_unknown_method_is_refused(assets, capsys):
         main(["--questions", str(assets / "questions.jsonl"), "--methods", "vanilla,medusa"])
     err = capsys.readouterr().err
     assert "unknown method 'medusa'" in err and "hf-pld" in err
+
+
+def test_negative_load_is_refused(assets, capsys):
+    with pytest.raises(SystemExit):
+        main(["--questions", str(assets / "questions.jsonl"), "--busy", "-0.5"])
+    assert "--busy is a number of cores" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("load", [0.3, 1.3])
+def test_busy_processes_keep_the_cores_asked_for_busy(load):
+    """A whole core per `while True` loop, and the fractional part as one process busy that share of the time."""
+    with busy_processes(load):
+        children = psutil.Process().children()
+        time.sleep(0.5)  # past the interpreters' start
+        before, started = sum(_cpu_s(c) for c in children), time.perf_counter()
+        time.sleep(2.0)
+        used = (sum(_cpu_s(c) for c in children) - before) / (time.perf_counter() - started)
+    assert len(children) == math.ceil(load)
+    # two cores: the processes can all run; the bound leaves room for what else the machine runs
+    assert load - 0.2 < used < load + 0.1, used
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 def test_missing_head_is_refused(assets, tmp_path, capsys):

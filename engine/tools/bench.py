@@ -188,9 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --verify-curve: comma-separated cache lengths to measure the curve over (default 300)")
     add("--fixed-threads", dest="follow_load", action="store_false",
         help="keep torch's thread count fixed instead of giving threads up to busy processes (engine/threads.py)")
-    add("--busy", type=int, default=0, metavar="N",
+    add("--busy", type=float, default=0, metavar="N",
         help="run N competing busy processes (a `while True` loop each) during the timed generations, to measure "
-             "decoding on a loaded machine")
+             "decoding on a loaded machine; a fractional part is one more process busy that share of the time, in "
+             "bursts of a few ms (0.2: what a browser streaming the page takes)")
     add("--json", dest="json_out", default=None, help="write the full results here")
     add("--plot", default=None, help="write a bar chart (PNG) of tokens/s and tau here")
     return parser
@@ -199,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> Setup:
     if args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    if args.busy < 0:
+        raise ValueError(f"--busy is a number of cores to keep busy, at least 0, got {args.busy}")
     if not args.context and "suffix" in parse_methods(args.methods):
         raise ValueError("--no-suffix turns off the context drafting that method suffix is made of")
     for out in (args.json_out, args.plot):  # before minutes of decoding, not after
@@ -309,7 +312,7 @@ def build_report(args: argparse.Namespace, setup: Setup, engine: Engine, prompts
         "transformers": transformers.__version__, "threads": torch.get_num_threads(), "packed": args.pack,
         "max_new_tokens": params.max_new_tokens, "temperature": params.sampling.temperature, "seed": params.seed,
         "tree": {"kind": type(params.tree).__name__, **asdict(params.tree)},
-        "context": asdict(params.context) if params.context else None, "busy_processes": args.busy,
+        "context": asdict(params.context) if params.context else None, "busy_cores": args.busy,
         "follow_load": args.follow_load,
     }
     questions = [
@@ -377,10 +380,26 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+BURST_S = 0.004  # a partly busy process's bursts: about one frame's rendering work of a browser
+BUSY_LOOP = """import sys, time
+busy = float(sys.argv[1])
+rest = {burst} * (1 - busy) / busy
+while True:
+    end = time.perf_counter() + {burst}
+    while time.perf_counter() < end:
+        pass
+    time.sleep(rest)
+""".format(burst=BURST_S)
+
+
 @contextmanager
-def busy_processes(count: int):
-    """`count` processes that each keep a core busy (at the default nice level) while the block runs."""
-    processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+def busy_processes(load: float):
+    """Processes at the default nice level that keep `load` cores busy while the block runs: one `while True` loop
+    per whole core, and for a fractional part one that is busy that share of the time, in bursts of BURST_S."""
+    whole, part = divmod(load, 1)
+    shares = [1.0] * int(whole) + ([part] if part > 1e-3 else [])
+    processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"] if share == 1 else
+                                  [sys.executable, "-c", BUSY_LOOP, str(share)]) for share in shares]
     try:
         yield
     finally:
