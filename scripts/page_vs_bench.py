@@ -28,7 +28,8 @@ from playwright.sync_api import Page, Playwright, sync_playwright
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.browser import (  # noqa: E402
-    ROOT, choose_method, clear_chat, launch_chromium, meter, open_app, send, set_number, start_app, stop_app, wait_for_answer,
+    ROOT, choose_method, clear_chat, launch_chromium, meter, open_app, send, set_number, start_app, stop_app,
+    wait_for_answer,
 )
 
 PROMPT = "Explain how a bicycle works, step by step."
