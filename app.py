@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     demo.launch(
         server_name=args.host, server_port=args.port, share=args.share, auth=args.auth, css_paths=[CSS],
         footer_links=["gradio", "settings"], app_kwargs={"routes": api.routes()},  # /v1 first, then Gradio's
+        # Gradio's run history keeps every answer in the browser's localStorage and writes the whole of it again on
+        # each streamed update: the page's work per update grew with every answer, and chats outlived Clear.
+        run_history=False,
     )
 
 

@@ -73,6 +73,16 @@ def test_answer_streams_with_drafted_tokens_and_the_meter_shows_speed(page):
     assert "<span" not in last_answer_text(page)  # markup is rendered, not shown as text
 
 
+def test_answers_are_not_kept_in_the_browsers_storage(page):
+    """Gradio's run history would keep every answer in localStorage (~50 KB for 512 tokens) and write all of it again
+    on each streamed update, so the page's work per update grew with every answer; the app keeps nothing there."""
+    set_number(page, "max-new-tokens", SHORT)
+    for prompt in ("Name three colours.", "Name three animals."):
+        wait_for_answer(page, send(page, prompt), timeout_s=120)
+    stored = page.evaluate("() => Object.keys(localStorage).map(key => [key, localStorage.getItem(key).length])")
+    assert stored == [], f"the page stored {stored}"
+
+
 def test_tokens_drafted_from_the_context_have_their_own_colour(page):
     """An answer that copies its prompt: EAGLE's context chains are accepted, shown blue (class "context") beside
     the head's green drafts, and the legend says what the colour means; with the setting off, none are (and with
