@@ -13,9 +13,9 @@ import os
 from app.zerogpu import on_gpu  # before torch: on ZeroGPU hardware `spaces` must patch CUDA first
 
 from engine import CheckpointError, DecodeParams, Engine, freeze_heap
-from engine.models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS
-from engine.corpus import add_corpus_argument, parse_corpus
-from engine.quant import KERNELS, KERNELS_HELP
+from engine.model.load import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS
+from engine.draft.corpus import add_corpus_argument, parse_corpus
+from engine.model.quant import KERNELS, KERNELS_HELP
 
 from app.api import Access, Api, model_ids, serve
 from app.chat import ChatService, EngineThread

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from engine import DecodeParams
 from engine.draft.checkpoint import DEFAULT_HEAD
-from engine.models import DEFAULT_BASE
+from engine.model.load import DEFAULT_BASE
 
 from .chat import APP_PARAMS, ChatService
 from .meter import TurnMeter

@@ -19,7 +19,7 @@ from .render import Answer, TokenText
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# The app's decoding defaults, for the page's settings and the API alike: EAGLE with its head gate on (engine.gate)
+# The app's decoding defaults, for the page's settings and the API alike: EAGLE with its head gate on (engine.decode.gate)
 APP_PARAMS = DecodeParams(gate=True)
 
 

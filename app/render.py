@@ -56,7 +56,7 @@ class TokenText:
 @dataclass
 class Answer:
     """One streamed answer: its token ids, each token's text piece, which came from accepted drafts, and which of
-    those the context drafted (engine.context) rather than the head."""
+    those the context drafted (engine.draft.context) rather than the head."""
 
     ids: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)

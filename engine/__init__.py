@@ -7,10 +7,11 @@
 """
 from .draft.checkpoint import CheckpointError
 from .engine import Engine, freeze_heap, oldest_turns_dropped
-from .generate import ContextTooLong, Step
-from .params import METHODS, DecodeParams
-from .tree import DynamicTree, StaticTree
-from .verify import Sampling
+from .decode.loop import ContextTooLong
+from .decode.round import Step
+from .decode.params import METHODS, DecodeParams
+from .draft.tree import DynamicTree, StaticTree
+from .decode.accept import Sampling
 
 __all__ = ["Engine", "Step", "DecodeParams", "Sampling", "DynamicTree", "StaticTree", "CheckpointError",
            "ContextTooLong", "METHODS", "freeze_heap", "oldest_turns_dropped"]

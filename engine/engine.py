@@ -10,21 +10,22 @@ from typing import Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .attention import use_wide_attention
-from .cache import GrowingCache
-from .corpus import DEFAULT_CORPUS, CorpusIndex
+from .model.attention import use_wide_attention
+from .model.cache import GrowingCache
+from .draft.corpus import DEFAULT_CORPUS, CorpusIndex
 from .draft.checkpoint import DEFAULT_HEAD, load_head
 from .draft.drafter import Drafter
 from .draft.head import DraftHead
-from .gate import HeadGate
-from .generate import Step, check_prompt, decode
-from .models import DEFAULT_BASE, DEFAULT_DEVICE, auto_dtype, load_base, resolve_dtype
-from .packed import bf16_native, pack_linears, packable_dtypes
-from .params import DecodeParams
-from .prefixes import Prefix, PrefixStore
-from .quant import GROUPED, QuantLinear, gguf_file, quantize_linears, resolve_kernels
-from .target import Target
-from .threads import ThreadGovernor
+from .decode.gate import HeadGate
+from .decode.loop import check_prompt, decode
+from .decode.round import Step
+from .model.load import DEFAULT_BASE, DEFAULT_DEVICE, auto_dtype, load_base, resolve_dtype
+from .model.packed import bf16_native, pack_linears, packable_dtypes
+from .decode.params import DecodeParams
+from .decode.prefixes import Prefix, PrefixStore
+from .model.quant import GROUPED, QuantLinear, gguf_file, quantize_linears, resolve_kernels
+from .model.target import Target
+from .model.threads import ThreadGovernor
 
 _ROLES = ("system", "user", "assistant")
 log = logging.getLogger(__name__)
@@ -45,16 +46,16 @@ class Engine:
         gguf: Path | None = None,
         corpus: CorpusIndex | None = None,
     ):
-        """pack: replace the CPU linear layers of model and head by oneDNN-packed ones (engine.packed) and, for a
-        model wholly on the CPU, its attention by engine.attention's: every row of a forward then comes out the same
+        """pack: replace the CPU linear layers of model and head by oneDNN-packed ones (engine.model.packed) and, for a
+        model wholly on the CPU, its attention by engine.model.attention's: every row of a forward then comes out the same
         bits whatever the batch, so verification agrees exactly with one-token decoding. Changes the model in place.
         follow_load: for a model on the CPU, give up threads to other busy processes between steps
-        (engine.threads); the output does not depend on the thread count.
-        kernels="q4" or "int8": first replace the base model's float32 linear layers by engine.quant's grouped
+        (engine.model.threads); the output does not depend on the thread count.
+        kernels="q4" or "int8": first replace the base model's float32 linear layers by engine.model.quant's grouped
         ones (int8: on int8 activations), holding the groups of the GGUF file `gguf` where it has them, else
-        quantizing (engine.quant.quantize_linears); a head on such a model is quantized to Q8_0, on the same kernels.
+        quantizing (engine.model.quant.quantize_linears); a head on such a model is quantized to Q8_0, on the same kernels.
         corpus: the model's own replies to other prompts, in its tokenizer's ids, to draft from where the context
-        has nothing (engine.corpus)."""
+        has nothing (engine.draft.corpus)."""
         self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
         vocab = model.config.get_text_config().vocab_size
         if corpus is not None and corpus.max_token >= vocab:
@@ -76,7 +77,7 @@ class Engine:
                         str(model.dtype).removeprefix("torch."))
         text_config = model.config.get_text_config()
         self.target = Target(model, head.feature_layers(text_config.num_hidden_layers) if head else None)
-        # A chat's next turn forwards only its new tokens where reusing a cache changes no bit (engine.prefixes);
+        # A chat's next turn forwards only its new tokens where reusing a cache changes no bit (engine.decode.prefixes);
         # None: every generation prefills its whole prompt (the bench sets it so, to time prefills alike).
         self.prefixes = PrefixStore() if self.batch_invariant else None
         self._lock = threading.Lock()
@@ -110,17 +111,17 @@ class Engine:
     ) -> "Engine":
         """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise;
         corpus="default" the self-distilled replies in data/selfdistill for the embedded base, none otherwise (else
-        a list of record files: engine.corpus, engine.train.store).
+        a list of record files: engine.draft.corpus, engine.draft.records).
 
         dtype "auto" is bfloat16 where the engine is exact and faster in it (see _auto_dtype), float32 elsewhere;
-        quantization, attn and max_memory (a per-GPU cap for device="auto") are explained in engine.models;
-        pack packs the linear layers that run on the CPU for oneDNN (engine.packed) and gives a model wholly on the
-        CPU engine.attention's attention (whatever attn says), changing the model in place. follow_load: see __init__.
+        quantization, attn and max_memory (a per-GPU cap for device="auto") are explained in engine.model.load;
+        pack packs the linear layers that run on the CPU for oneDNN (engine.model.packed) and gives a model wholly on the
+        CPU engine.model.attention's attention (whatever attn says), changing the model in place. follow_load: see __init__.
         head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16 beside
         float kernels (beside q4 or int8 it stays float32, for the Q8_0 kernels); the
         head's precision never changes the output (verification decides), only how fast and how well it drafts.
         kernels "auto" | "float" | "q4" | "int8": which CPU linear layers the base model runs
-        (engine.quant.resolve_kernels); q4 and int8 run in float32, and it is that model that plain decoding and
+        (engine.model.quant.resolve_kernels); q4 and int8 run in float32, and it is that model that plain decoding and
         EAGLE both decode.
         """
         embedded = base in (None, "", DEFAULT_BASE)
@@ -264,7 +265,7 @@ def freeze_heap() -> None:
 def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None, pack: bool, kernels: str) -> DraftHead:
     """Load a head for `model`; head_dtype None means bfloat16 for a packed head on a CPU with native bf16 beside
     float kernels, else the base model's dtype: beside q4 or int8 that is float32, which Engine quantizes to Q8_0 and
-    drafts with in one kernel call per layer (engine.fused.FusedEagle3), ~2x faster than the bf16 head's modules."""
+    drafts with in one kernel call per layer (engine.draft.fused.FusedEagle3), ~2x faster than the bf16 head's modules."""
     on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
     if head_dtype is None and pack and on_cpu and bf16_native() and kernels not in GROUPED:
         head_dtype = "bfloat16"

@@ -16,8 +16,9 @@ from statistics import mean
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine import DecodeParams, Engine, kernels  # noqa: E402
-from engine.quant import QuantLinear, quantize  # noqa: E402
+from engine import DecodeParams, Engine  # noqa: E402
+from engine.model import kernels  # noqa: E402
+from engine.model.quant import QuantLinear, quantize  # noqa: E402
 from engine.tools.runs import SHARED_QUESTIONS, first_turn_prompts, load_questions  # noqa: E402
 
 SHAPES = (("Q4_1", 1536, 576), ("Q4_1", 576, 576), ("Q8_0", 49152, 576))  # FFN, attention, LM head
@@ -80,7 +81,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="alternations of the two paths")
     args = parser.parse_args()
     if not kernels.available():
-        sys.exit(f"engine/kernels: {kernels.unavailable_reason()}")
+        sys.exit(f"engine/model/kernels: {kernels.unavailable_reason()}")
     if not torch.ops.eagle_cpu.set_wide(True):
         sys.exit("this CPU has no AVX-512 (avx512f and avx512dq): the 8-lane path is the only one")
     torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models import load_base, load_tokenizer  # noqa: E402
-from engine.packed import pack_linears  # noqa: E402
+from engine.model.load import load_base, load_tokenizer  # noqa: E402
+from engine.model.packed import pack_linears  # noqa: E402
 from engine.train.data import read_conversations, select_prompts, stop_ids  # noqa: E402
 from engine.train.generation import generate_replies, prepare_model  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Time to a chat turn's first token with the engine's kept prefixes (engine/prefixes.py) and without: the same
+"""Time to a chat turn's first token with the engine's kept prefixes (engine/decode/prefixes.py) and without: the same
 multi-turn chat twice on the default engine, each turn's prompt the whole conversation so far, greedy; prints the
 prefill of every turn both ways and whether the answers agree token for token.
 
@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.engine import Engine, freeze_heap  # noqa: E402
-from engine.prefixes import PrefixStore  # noqa: E402
+from engine.decode.prefixes import PrefixStore  # noqa: E402
 
 QUESTIONS = ["Explain how a bicycle works, step by step.", "Now explain its gears in detail.",
              "What maintenance does the chain need?", "Compare it with an electric bicycle.",

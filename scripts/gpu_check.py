@@ -10,7 +10,7 @@ Stages, each guarded (one that fails, or exits, leaves the others' results; the 
                construction) and bfloat16 (a tree and a one-token step run different kernels: measured, not assumed)
   quantized    the same on bitsandbytes tiny models
   llama        a random-weight Llama-3.1-8B-shape base with a random EAGLE-3 head, in bf16 (and 4-bit): vanilla, hf,
-               eagle and eagle-gated (the head gate, engine/gate.py) on this script's prompts (tok/s, tau, exact-match
+               eagle and eagle-gated (the head gate, engine/decode/gate.py) on this script's prompts (tok/s, tau, exact-match
                fraction), one verification forward by tree
                size over a 512- and a 4k-token cache (x one plain step), and peak GPU memory after a 4k-token prompt
   embedded     the embedded SmolLM2 with its shipped head: the same methods, where tau means something (and
@@ -45,8 +45,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from engine import DecodeParams, Engine  # noqa: E402
 from engine.draft.checkpoint import DEFAULT_HEAD, new_head, place_head  # noqa: E402
-from engine.models import auto_dtype, load_model  # noqa: E402
-from engine.placement import gpu_budgets, plan_device_map  # noqa: E402
+from engine.model.load import auto_dtype, load_model  # noqa: E402
+from engine.model.placement import gpu_budgets, plan_device_map  # noqa: E402
 from engine.tools import print_table, run_engine, run_hf, summarize, verification_curve  # noqa: E402
 from engine.tools.report import add_speedups  # noqa: E402
 from engine.tools.bench import GATED, engine_options  # noqa: E402

@@ -9,7 +9,7 @@ embedded GGUF alone is 98 MB, the ShareGPT file 125 MB, the head 28 MB. So the w
   run     (there)  join the GGUF (checked against its SHA-256), regenerate replies greedily until the data share of
                    the time is spent, fit a new EAGLE-3 head on them and the committed data with features on the fly,
                    write the head and the records in returnable pieces
-  unpack  (here)   join the head (checked against its SHA-256) and the records into one file (engine.train.store)
+  unpack  (here)   join the head (checked against its SHA-256) and the records into one file (engine.draft.records)
 
     python scripts/train_gpu.py pack
     python scripts/train_gpu.py run --parts runs/gpu /tmp/carry --out $OUT --minutes 9     # on the GPU
@@ -38,13 +38,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.gguf_cache import sha256  # noqa: E402
-from engine.models import embedded_gguf_path, load_model, load_tokenizer  # noqa: E402
+from engine.model.gguf_cache import sha256  # noqa: E402
+from engine.model.load import embedded_gguf_path, load_model, load_tokenizer  # noqa: E402
 from engine.train.data import read_conversations, select_prompts, stop_ids  # noqa: E402
 from engine.train.fit import FitConfig  # noqa: E402
 from engine.train.generation import GROUPED_ATTENTION, BatchGenerator  # noqa: E402
 from engine.train.pipeline import fit_head  # noqa: E402
-from engine.train.store import load_records, save_records  # noqa: E402
+from engine.draft.records import load_records, save_records  # noqa: E402
 
 MIB = 2**20
 CALL_MIB = 64  # what one device call takes, this checkout included

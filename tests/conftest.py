@@ -8,11 +8,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from engine import Engine
-from engine.context import ContextDraft, ContextIndex
+from engine.draft.context import ContextDraft, ContextIndex
 from engine.draft.checkpoint import new_head, place_head
 from engine.draft.drafter import Drafter
-from engine.gate import HeadGate
-from engine.packed import packable_dtypes
+from engine.decode.gate import HeadGate
+from engine.model.packed import packable_dtypes
 from oracles import randomized_pit, target_probs
 
 # Tiny models gain nothing from threads, and extra threads thrash when several test processes share the CPU.

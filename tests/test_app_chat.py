@@ -14,7 +14,7 @@ from app.meter import SETTLING, TurnMeter
 from app.ui import EMPTY_HINT, Handlers
 from conftest import random_head, tiny_base, tokens_of
 from engine import ContextTooLong, DecodeParams, Engine
-from engine.models import load_tokenizer
+from engine.model.load import load_tokenizer
 
 CONTEXT = 256  # the tiny model's context window, so over-long input is cheap to make
 

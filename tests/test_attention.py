@@ -1,4 +1,4 @@
-"""The CPU engine's attentions (float64 `wide`, float32 `fixed_order` from engine/kernels): the same results as SDPA,
+"""The CPU engine's attentions (float64 `wide`, float32 `fixed_order` from engine/model/kernels): the same results as SDPA,
 and rows that do not depend on what shares their forward."""
 import pytest
 import torch
@@ -6,12 +6,13 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import PACKED_DTYPES, IdsOnlyTokenizer
-from engine import Engine, kernels
-from engine.attention import FIXED_ORDER, NAME, fixed_order_attention, wide_attention
-from engine.cache import truncate
-from engine.packed import packing_available
+from engine import Engine
+from engine.model import kernels
+from engine.model.attention import FIXED_ORDER, NAME, fixed_order_attention, wide_attention
+from engine.model.cache import truncate
+from engine.model.packed import packing_available
 
-NEEDS_KERNELS = pytest.mark.skipif(not kernels.available(), reason=f"engine/kernels: {kernels.unavailable_reason()}")
+NEEDS_KERNELS = pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
 # (attention, dtype): the float64 attention takes any dtype; the fixed-order one float32.
 ATTENTIONS = [(wide_attention, torch.float32), (wide_attention, torch.bfloat16),
               pytest.param(fixed_order_attention, torch.float32, marks=NEEDS_KERNELS)]
@@ -124,7 +125,7 @@ def test_the_avx512_attention_gives_the_8_lane_paths_bits(heads, kv_heads, dim):
 @NEEDS_KERNELS
 @pytest.mark.parametrize("wide", [True, False])
 def test_float16_keys_and_values_give_the_bits_of_their_float32_values(wide):
-    """The engine's KV cache keeps float16 (engine/cache.py): the kernel widens each key and value exactly, so it
+    """The engine's KV cache keeps float16 (engine/model/cache.py): the kernel widens each key and value exactly, so it
     attends as it would over float32 tensors holding the same rounded values, on either path, with or without mask."""
     if wide and not torch.ops.eagle_cpu.set_wide(True):
         pytest.skip("this CPU has no AVX-512 (avx512f and avx512dq)")

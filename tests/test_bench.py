@@ -14,10 +14,10 @@ from engine.tools.bench import METHODS, busy_processes, exactness_exempt, main
 from engine.tools.report import exactness_warnings, print_table, summarize
 from engine.tools.runs import Run
 from engine.tools import tune_tree
-from engine.train.store import save_records
-from engine.tree import DynamicTree
+from engine.draft.records import save_records
+from engine.draft.tree import DynamicTree
 from engine.draft.checkpoint import new_head, save_head
-from engine.models import auto_dtype, load_tokenizer
+from engine.model.load import auto_dtype, load_tokenizer
 
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a haiku about the sea.", "Now a longer one."]},
@@ -269,13 +269,13 @@ def test_bad_curve_sizes_are_refused(assets, capsys):
 def test_hf_runs_transformers_own_layers_whatever_the_engines_kernels(kernels, tmp_path):
     """hf measures transformers itself: never the engine's packed or 4-bit layers (on q4 it once ran the engine's
     own model, and looked as fast as the engine)."""
-    from engine import kernels as engine_kernels
-    from engine.packed import PackedLinear
-    from engine.quant import QuantLinear
+    from engine.model import kernels as engine_kernels
+    from engine.model.packed import PackedLinear
+    from engine.model.quant import QuantLinear
     from engine.tools.bench import build_parser, hf_model_for
 
     if kernels != "float" and not engine_kernels.available():
-        pytest.skip(f"engine/kernels: {engine_kernels.unavailable_reason()}")
+        pytest.skip(f"engine/model/kernels: {engine_kernels.unavailable_reason()}")
     engine = Engine.load(head=None, kernels=kernels)
     questions = tmp_path / "q.jsonl"  # a checkout without ../shared/bench must be able to run this too
     questions.write_text('{"question_id": 1, "category": "writing", "turns": ["Hi"]}\n')

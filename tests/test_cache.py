@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from conftest import SHAPES, IdsOnlyTokenizer, tiny_base, tiny_engine
-from engine import Engine, kernels
-from engine import cache as kv_cache
-from engine.cache import GrowingLayer, keep_path, truncate
-from engine.target import Target
+from engine import Engine
+from engine.model import kernels
+from engine.model import cache as kv_cache
+from engine.model.cache import GrowingLayer, keep_path, truncate
+from engine.model.target import Target
 
 
 @pytest.mark.parametrize("spare", [kv_cache.MIN_SPARE, 2])  # 2: the buffers grow every few rounds
@@ -117,7 +118,7 @@ def test_the_grouped_kernels_keep_a_float16_cache(kernel_choice, pack, cached, p
     """On the grouped kernels the cache holds float16 (half the bytes a long context's steps read): the first
     layer's keys are the model's float32 keys rounded once; float layers keep the model's dtype, as transformers."""
     if pack and not kernels.available():
-        pytest.skip("engine/kernels unavailable: no fixed-order attention")
+        pytest.skip("engine/model/kernels unavailable: no fixed-order attention")
     engine = Engine(tiny_base("llama-h64-l8-gqa"), IdsOnlyTokenizer(), pack=pack, kernels=kernel_choice)
     cache = engine.target.new_cache()
     engine.target.forward(torch.tensor(prompt), cache)

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from engine.context import Continuation, ContextIndex
+from engine.draft.context import Continuation, ContextIndex
 
 
 def brute_force(text: list[int], max_tokens: int, max_branches: int) -> list[Continuation]:

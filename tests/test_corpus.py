@@ -9,11 +9,11 @@ import torch
 
 from conftest import IdsOnlyTokenizer, sample_through_copied_drafts, tiny_base, tiny_engine, tokens_of
 from engine import DecodeParams, Engine
-from engine import corpus as corpus_module
-from engine.context import ContextDraft
-from engine.corpus import DEPTH, VOTERS, CorpusIndex, parse_corpus
-from engine.train.store import save_records
-from engine.verify import Sampling
+from engine.draft import corpus as corpus_module
+from engine.draft.context import ContextDraft
+from engine.draft.corpus import DEPTH, VOTERS, CorpusIndex, parse_corpus
+from engine.draft.records import save_records
+from engine.decode.accept import Sampling
 from oracles import ALPHA, drafted_frequency_pvalue, uniformity_pvalue
 
 END = -1  # what brute force reads past a reply's last token

@@ -8,11 +8,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import VOCAB, tiny_engine, tokens_of
-from engine.generate import decode
-from engine.params import DecodeParams
-from engine.target import Target
-from engine.tree import DraftTree, DynamicTree
-from engine.verify import Sampling
+from engine.decode.loop import decode
+from engine.decode.params import DecodeParams
+from engine.model.target import Target
+from engine.draft.tree import DraftTree, DynamicTree
+from engine.decode.accept import Sampling
 from oracles import ALPHA, randomized_pit, target_probs, uniformity_pvalue
 
 NEW_TOKENS = 48

@@ -5,9 +5,9 @@ import pytest
 
 from conftest import assert_drafter_holds, tiny_engine
 from engine.draft.drafter import Drafter
-from engine.generate import decode
-from engine.params import DecodeParams
-from engine.tree import DynamicTree, StaticTree
+from engine.decode.loop import decode
+from engine.decode.params import DecodeParams
+from engine.draft.tree import DynamicTree, StaticTree
 
 
 @pytest.mark.parametrize("kind,tree,plain_every", [("eagle3", DynamicTree(total_tokens=16, depth=3, top_k=4), 0),

@@ -1,4 +1,4 @@
-"""engine.fused: a q4 Llama's decoder in one kernel call gives the very bits transformers' forward gives."""
+"""engine.model.fused: a q4 Llama's decoder in one kernel call gives the very bits transformers' forward gives."""
 from __future__ import annotations
 
 import os
@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, kernels
-from engine.fused import FusedEagle3, why_not_fused
-from engine.generate import Sequence, verify
-from engine.target import Target
-from engine.tree import DraftTree
+from engine import Engine
+from engine.model import kernels
+from engine.draft.fused import FusedEagle3
+from engine.model.fused import why_not_fused
+from engine.decode.round import Sequence, verify
+from engine.model.target import Target
+from engine.draft.tree import DraftTree
 from tests.conftest import VOCAB, IdsOnlyTokenizer, random_head, tiny_base
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="engine/kernels unavailable")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="engine/model/kernels unavailable")
 
 
 def forwards(target: Target, prompt: list[int]) -> list[torch.Tensor]:
@@ -106,7 +108,7 @@ def test_a_chain_verified_causally_gives_the_bits_of_its_tree_mask(kernels, prom
 RMS_NORM_CHECK = """
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from engine import kernels
+from engine.model import kernels
 assert kernels.available()
 generator = torch.Generator().manual_seed(0)
 for width in (576, 1536, 64, 5, 17, 100, 3000, 20000, 70000):

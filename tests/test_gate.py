@@ -5,9 +5,9 @@ import pytest
 from conftest import BRANCHING, Alternating, assert_drafter_holds, tiny_engine, tokens_of
 from engine import DecodeParams
 from engine.draft.drafter import Drafter
-from engine.gate import EXPLORING_COST, MAX_PERIOD, HeadGate
-from engine.generate import decode
-from engine.prefixes import PrefixStore
+from engine.decode.gate import EXPLORING_COST, MAX_PERIOD, HeadGate
+from engine.decode.loop import decode
+from engine.decode.prefixes import PrefixStore
 
 NEW_TOKENS = 80
 

@@ -12,8 +12,8 @@ import torch
 import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
 from conftest import tiny_base
-from engine import gguf_cache
-from engine.models import embedded_gguf_path, load_model, load_tokenizer
+from engine.model import gguf_cache
+from engine.model.load import embedded_gguf_path, load_model, load_tokenizer
 
 TEXTS = ["Hello world!", "  two spaces\n\ttab", "日本語 é 🦅", "<|im_start|>user\nhi<|im_end|>\n"]
 
@@ -36,7 +36,7 @@ def test_the_converted_copy_is_the_gguf_model_bit_for_bit(cache, tmp_path, monke
     blocked = tmp_path / "a-file"  # a cache root that cannot be made: the GGUF itself is loaded, with a warning
     blocked.write_text("")
     monkeypatch.setenv("EAGLE_CHAT_CACHE", str(blocked / "cache"))
-    with caplog.at_level(logging.WARNING, logger="engine.gguf_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.model.gguf_cache"):
         direct = load_model(None)
     assert "parsing the GGUF on every load" in caplog.text
     ours, theirs = converted.state_dict(), direct.state_dict()

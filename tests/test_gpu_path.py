@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.draft.layers import Attention, Rotary, attend
-from engine.models import auto_dtype
+from engine.model.load import auto_dtype
 
 
 def random_attention_inputs(heads: int, kv_heads: int, queries: int, keys: int, seed: int = 0):
@@ -70,8 +70,8 @@ def test_auto_dtype_on_a_gpu_is_16_bit(fake_cuda, device, quantization):
 
 def test_auto_dtype_on_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("engine.models.bf16_native", lambda: True)
+    monkeypatch.setattr("engine.model.load.bf16_native", lambda: True)
     assert auto_dtype("cpu") == auto_dtype("auto") == "bfloat16"
     assert auto_dtype("cpu", pack=False) == auto_dtype("cpu", "4bit") == "float32"
-    monkeypatch.setattr("engine.models.bf16_native", lambda: False)
+    monkeypatch.setattr("engine.model.load.bf16_native", lambda: False)
     assert auto_dtype("cpu") == "float32"

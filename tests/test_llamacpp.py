@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from engine.models import embedded_gguf_path
+from engine.model.load import embedded_gguf_path
 from engine.tools import bench
-from engine.params import DecodeParams
+from engine.decode.params import DecodeParams
 from engine.tools.llamacpp import LlamaCpp
 
 GGUF = embedded_gguf_path()
@@ -30,7 +30,7 @@ def llama():
 
 
 def _prompt_ids(text: str) -> list[int]:
-    from engine.models import load_tokenizer
+    from engine.model.load import load_tokenizer
 
     ids = load_tokenizer().apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                tokenize=True)

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from conftest import PACKED_DTYPES, SHAPES, tiny_engine, tokens_of
-from engine.packed import PackedLinear, pack_linears, packing_available
+from engine.model.packed import PackedLinear, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
 
@@ -52,7 +52,7 @@ def test_pack_linears_replaces_plain_cpu_linears_only():
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("dtype", PACKED_DTYPES)
 def test_packed_engine_greedy_equals_vanilla(shape, kind, dtype, prompt):
-    """bfloat16 too: the packed CPU engine computes every row alike whatever the batch (engine.attention)."""
+    """bfloat16 too: the packed CPU engine computes every row alike whatever the batch (engine.model.attention)."""
     engine = tiny_engine(shape, kind, pack=True, dtype=dtype)
     assert not any(type(m) is nn.Linear for m in engine.model.modules())
     assert engine.wide_attention

@@ -3,10 +3,17 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
-from engine import models
-from engine.models import load_model, resolve_device
-from engine.placement import (
-    HEADROOM, device_map_for, gpu_budgets, head_device, model_bytes, module_bytes, plan_device_map, split_layers,
+from engine.model import load as loading
+from engine.model.load import load_model, resolve_device
+from engine.model.placement import (
+    HEADROOM,
+    device_map_for,
+    gpu_budgets,
+    head_device,
+    model_bytes,
+    module_bytes,
+    plan_device_map,
+    split_layers,
 )
 
 GIB = 2**30
@@ -162,7 +169,7 @@ def loads(monkeypatch):
         calls.append(kwargs)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.5 GiB free.")
 
-    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", staticmethod(record))
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", staticmethod(record))
     return calls
 
 

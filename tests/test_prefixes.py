@@ -1,4 +1,4 @@
-"""Prefixes kept across generations (engine.prefixes): a chat's next turn forwards only its new tokens, and its
+"""Prefixes kept across generations (engine.decode.prefixes): a chat's next turn forwards only its new tokens, and its
 output is the very output a fresh prefill gives, greedy and sampled, plain and speculative, also after a stream was
 closed early; an unrelated prompt starts from nothing, and an engine that is not batch-invariant keeps nothing."""
 import pytest

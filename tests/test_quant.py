@@ -8,13 +8,21 @@ import torch
 from torch import nn
 
 from conftest import BRANCHING, SHAPES, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
-from engine import Engine, kernels
-from engine.gguf_tensors import read_tensors
-from engine.models import embedded_gguf_path, load_base
-from engine.quant import (GROUP, QuantLinear, gguf_groups, groups_from_blocks, quantize, quantize_linears,
-                          resolve_kernels)
+from engine import Engine
+from engine.model import kernels
+from engine.model.gguf_tensors import read_tensors
+from engine.model.load import embedded_gguf_path, load_base
+from engine.model.quant import (
+    GROUP,
+    QuantLinear,
+    gguf_groups,
+    groups_from_blocks,
+    quantize,
+    quantize_linears,
+    resolve_kernels,
+)
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/kernels: {kernels.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
 KINDS = ["Q4_1", "Q8_0"]
 
 

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import VOCAB, IdsOnlyTokenizer, random_head, tokens_of
 from engine import Engine
-from engine.models import embedded_gguf_path, load_model
+from engine.model.load import embedded_gguf_path, load_model
 
 NEW_TOKENS = 50
 QUANTIZED_LINEAR = {"8bit": (Linear8bitLt, torch.int8), "4bit": (Linear4bit, torch.uint8)}

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from conftest import BRANCHING, tokens_of
-from engine import Engine, kernels
+from engine import Engine
+from engine.model import kernels
 from engine.draft.checkpoint import DEFAULT_HEAD
-from engine.fused import FusedEagle3
-from engine.models import load_base
-from engine.packed import PackedLinear, bf16_native, packing_available
+from engine.draft.fused import FusedEagle3
+from engine.model.load import load_base
+from engine.model.packed import PackedLinear, bf16_native, packing_available
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench" / "mt_bench.jsonl"
 FALLBACK_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "List three uses of copper."]

@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 import pytest
 
 from app.render import Answer, TokenText, render_answer, render_markdown
-from engine.models import load_tokenizer
+from engine.model.load import load_tokenizer
 
 ALLOWED_TAGS = {"div", "p", "span", "strong", "em", "code", "pre", "br", "ul", "ol", "li", "h1", "h2", "h3", "h4",
                 "h5", "h6", "blockquote", "hr", "table", "thead", "tbody", "tr", "th", "td", "s", "a"}

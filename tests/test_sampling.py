@@ -7,9 +7,9 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import BRANCHING, Alternating, tiny_engine, tokens_of
-from engine.params import DecodeParams
-from engine.tree import DraftTree
-from engine.verify import Sampling, accept_sampling
+from engine.decode.params import DecodeParams
+from engine.draft.tree import DraftTree
+from engine.decode.accept import Sampling, accept_sampling
 from oracles import ALPHA, chi_square_pvalue, randomized_pit, round_distribution, target_probs, uniformity_pvalue
 
 V = 8
@@ -119,7 +119,7 @@ def test_tokens_outside_top_k_and_top_p_are_never_committed(sampling):
 def test_engine_samples_every_token_from_the_target_law(gate, prompt):
     """End to end with a random head: each generated token's randomized probability integral transform against the
     target law (one plain forward over prompt and answer, then the reference warpers) must be uniform. gate: the
-    head drafts in every other window of 3 rounds (engine/gate.py), deferring its slots in between; a seed would turn
+    head drafts in every other window of 3 rounds (engine/decode/gate.py), deferring its slots in between; a seed would turn
     the gate off (DecodeParams.gated), so those answers draw from torch's own generator, seeded here."""
     engine, sampling = tiny_engine("llama-h64-l8-gqa", "eagle3"), Sampling(0.8, top_p=0.95)
     engine.gate = Alternating(window=3)

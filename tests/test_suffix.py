@@ -5,9 +5,9 @@ import torch
 
 from conftest import SHAPES, RecordingDraft, sample_through_copied_drafts, tiny_engine, tokens_of
 from engine import DecodeParams, DynamicTree, StaticTree
-from engine.context import ContextDraft, ContextIndex
-from engine.tree import DraftTree, graft
-from engine.verify import Sampling
+from engine.draft.context import ContextDraft, ContextIndex
+from engine.draft.tree import DraftTree, graft
+from engine.decode.accept import Sampling
 from oracles import ALPHA, drafted_frequency_pvalue, uniformity_pvalue
 
 NEW_TOKENS = 80

@@ -1,7 +1,7 @@
 """Draft quality on the embedded SmolLM2-135M-Instruct with the shipped heads. A drafting bug leaves greedy output
 exactly right and only lowers τ (new tokens per round), so τ on fixed prompts and token counts is held to its
 measured value, for both head kinds and both tree kinds with the head alone, and for drafting from the context
-(engine/context.py) with the EAGLE-3 head and alone (method suffix), with and without the corpus (engine/corpus.py).
+(engine/draft/context.py) with the EAGLE-3 head and alone (method suffix), with and without the corpus (engine/draft/corpus.py).
 
 float32 base and heads on purpose: greedy tokens, hence τ, are then the same on any CPU up to rare near-ties, which
 the margin covers. When a head, a tree default or the prompts change, re-measure: run this file and put the
@@ -28,7 +28,7 @@ NEW_TOKENS = 48
 # τ measured on this file's prompts (float32, 2-core AMD EPYC, 2026-12-01; the EAGLE-3 rows again 2026-12-04 for the
 # session-24 head; the base on its GGUF groups; the "+context" rows 2026-12-05, once a 1-token match stopped
 # drafting; suffix with the corpus 2026-12-06, Intel Xeon) with the shipped heads, the default static tree and the
-# dynamic tree DYNAMIC; "+context" keeps the default context drafting (the corpus of engine/corpus.py included, but
+# dynamic tree DYNAMIC; "+context" keeps the default context drafting (the corpus of engine/draft/corpus.py included, but
 # for "-corpus") and adds the QUOTING prompts, the others turn it off, "suffix" has no head.
 MEASURED = {("eagle3", "dynamic"): 1.78, ("eagle3", "static"): 2.31, ("eagle1", "dynamic"): 1.50,
             ("eagle1", "static"): 1.74, ("eagle3", "dynamic+context"): 1.96, ("suffix", "dynamic+context"): 1.40,

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import tiny_engine, tokens_of
-from engine import kernels
-from engine.quant import QuantLinear, quantize
-from engine.threads import ThreadGovernor, _busy_seconds
+from engine.model import kernels
+from engine.model.quant import QuantLinear, quantize
+from engine.model.threads import ThreadGovernor, _busy_seconds
 
 pytestmark = pytest.mark.skipif(_busy_seconds() is None, reason="the governor reads Linux's /proc")
 
@@ -95,7 +95,7 @@ def test_packed_layers_know_their_lone_row_kernel_for_every_thread_count_from_lo
     summation order for all of them when it is built, so no decoding step after a switch pays the measurement
     (it made that step 10x slower, and the meter's plain-step timing with it). Measured together, the answers are
     those of measuring each thread count alone."""
-    from engine import packed
+    from engine.model import packed
 
     if not packed.packing_available():
         pytest.skip("this torch build has no oneDNN linear ops")
@@ -123,9 +123,9 @@ def _others_cpu_seconds() -> float:
     return total
 
 
-@pytest.mark.skipif(not kernels.available(), reason=f"engine/kernels: {kernels.unavailable_reason()}")
+@pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
 def test_the_engines_own_kernels_share_their_work_with_torchs_threads(two_threads):
-    """engine/kernels must be built with OpenMP: without it at::parallel_for runs serially and the q4 matmul and
+    """engine/model/kernels must be built with OpenMP: without it at::parallel_for runs serially and the q4 matmul and
     the fixed-order attention used one core of two (they did, until found). Seen as CPU time on torch's worker
     thread, not as a speed. Their rows come out the same bits with one thread or two."""
     generator = torch.Generator().manual_seed(0)

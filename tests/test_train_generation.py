@@ -9,12 +9,20 @@ import torch
 
 from conftest import PACKED_DTYPES, SHAPES, IdsOnlyTokenizer, tiny_base, tokens_of
 from engine import Engine
-from engine.models import load_base
+from engine.model.load import load_base
 from engine.train.data import encode_prompt, first_prompt, read_conversations, stop_ids
 from engine.train import generation
 from engine.train.features import target_features
-from engine.train.generation import (BatchGenerator, SlotCache, additive_mask, generate_replies, grouped_attention,
-                                     load_generation_model, prepare_model, slots_that_fit)
+from engine.train.generation import (
+    BatchGenerator,
+    SlotCache,
+    additive_mask,
+    generate_replies,
+    grouped_attention,
+    load_generation_model,
+    prepare_model,
+    slots_that_fit,
+)
 
 STOPS = [5, 6]  # frequent in these random models' output: replies end at many lengths
 

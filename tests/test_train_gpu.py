@@ -17,8 +17,8 @@ import torch
 
 from conftest import tiny_base
 from engine.draft.checkpoint import load_head
-from engine.models import embedded_gguf_path, load_model
-from engine.train.store import load_records
+from engine.model.load import embedded_gguf_path, load_model
+from engine.draft.records import load_records
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_gpu.py"
 spec = importlib.util.spec_from_file_location("train_gpu", SCRIPT)

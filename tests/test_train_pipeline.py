@@ -10,9 +10,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import Engine
 from engine.draft.checkpoint import load_head
-from engine.models import load_tokenizer
-from engine.train.data import (Conversation, DataError, build_data, encode_prompt, read_conversations, read_shards,
-                               select_prompts)
+from engine.model.load import load_tokenizer
+from engine.train.data import (
+    Conversation,
+    DataError,
+    build_data,
+    encode_prompt,
+    read_conversations,
+    read_shards,
+    select_prompts,
+)
 from engine.train.fit import FitConfig
 from engine.train.pipeline import fit_head
 from engine.train.vocab import choose_vocab, coverage, token_counts

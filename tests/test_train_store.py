@@ -1,4 +1,4 @@
-"""The compact record file (engine.train.store): shards -> export -> file -> fit / import -> shards, losslessly."""
+"""The compact record file (engine.draft.records): shards -> export -> file -> fit / import -> shards, losslessly."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import pytest
 
 from engine.train.__main__ import main
 from engine.train.data import read_shards, write_shards
-from engine.train.store import load_records, save_records
+from engine.draft.records import load_records, save_records
 
 
 def records(count: int, vocab: int = 49152, seed: int = 0) -> list[dict]:

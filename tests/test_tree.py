@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_engine
 from engine.draft.drafter import Drafter
-from engine.tree import MC_SIM_7B_63, DraftTree, DynamicTree, StaticTree, grow_dynamic, grow_static
+from engine.draft.tree import MC_SIM_7B_63, DraftTree, DynamicTree, StaticTree, grow_dynamic, grow_static
 from oracles import dynamic_tree_reference, node_paths, static_tree_reference
 
 ROOT = 7  # the token every test tree grows under

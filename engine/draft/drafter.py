@@ -3,20 +3,20 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import GrowingLayer
-from ..fused import FusedEagle3
-from ..tree import DraftTree, TreeSpec
+from ..model.cache import GrowingLayer
+from .fused import FusedEagle3
+from .tree import DraftTree, TreeSpec
 from .head import DraftHead
 
 
 class Drafter:
     """Keeps the head's KV cache for committed slots; a proposal's tree nodes are written past them and dropped by
-    not counting them. Buffers with room to grow (engine.cache.GrowingLayer), so a round copies only its new keys,
+    not counting them. Buffers with room to grow (engine.model.cache.GrowingLayer), so a round copies only its new keys,
     not the whole context as concatenation did.
 
     Slot p pairs the base feature after token p with token p+1, so each round commits the features of the
     accepted path together with the tokens that follow them (the accepted drafts, then the bonus token). Rounds
-    that do not draft with the head (engine.gate) may defer their slots: the next commit or proposal runs the head
+    that do not draft with the head (engine.decode.gate) may defer their slots: the next commit or proposal runs the head
     over all of them in one call, a few rows costing about what one does.
     """
 
@@ -40,7 +40,7 @@ class Drafter:
         return sum(len(tokens) for _, tokens in self._deferred)
 
     def reset(self, cache: list[GrowingLayer] | None = None) -> None:
-        """Start over, or from `cache` (a kept prefix's slots: engine.prefixes)."""
+        """Start over, or from `cache` (a kept prefix's slots: engine.decode.prefixes)."""
         self.cache, self._fed, self._deferred = cache or [], 0, []
 
     def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -90,7 +90,7 @@ class Drafter:
         self._fed = 0
         return tree.grow(self, root, self._last_hidden)
 
-    # Expander protocol, used by engine/tree.py
+    # Expander protocol, used by engine/draft/tree.py
     @torch.inference_mode()
     def expand(self, hidden: torch.Tensor, tokens: torch.Tensor, level: int, visible: torch.Tensor) -> torch.Tensor:
         n, b = self.length, len(tokens)

@@ -27,7 +27,7 @@ class DraftHead(nn.Module):
 
     def attach(self, base_model: nn.Module) -> None:
         """Borrow the base model's input embedding and LM head. They are looked up at each use, so the head keeps
-        using the base model's own even after its layers are replaced in place (engine/packed.py)."""
+        using the base model's own even after its layers are replaced in place (engine/model/packed.py)."""
         self._base = (base_model,)
 
     def base_lm_head(self) -> nn.Module:

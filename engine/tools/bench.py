@@ -5,9 +5,9 @@ Methods:
   eagle    the engine with its draft head (EAGLE trees, lossless verification), the context's continuations
            grafted on (--no-suffix: the head alone)
   suffix   the engine drafting from the context alone (what followed the longest earlier match of the text's end,
-           engine/context.py) and, where it has nothing, from the model's own replies to other prompts (--corpus,
-           engine/corpus.py): no head needed
-  eagle-gated  eagle with the head gate (engine/gate.py): the head drafts only in the rounds where measuring in the
+           engine/draft/context.py) and, where it has nothing, from the model's own replies to other prompts (--corpus,
+           engine/draft/corpus.py): no head needed
+  eagle-gated  eagle with the head gate (engine/decode/gate.py): the head drafts only in the rounds where measuring in the
            answer says it pays, the context alone in the others
   hf       transformers `generate` on the same model, as transformers runs it (stock layers, SDPA attention), in
            the engine's dtype (beside the q4 kernels: bfloat16 on a CPU with native bf16, transformers' faster
@@ -20,7 +20,7 @@ Methods:
   NAME     with --compare-head NAME=HEAD: the engine drafting with another head (say an EAGLE-1 head beside the
            shipped EAGLE-3 one), on the same base model in the same run
 
-On the CPU the engine's linear layers are packed for oneDNN (engine/packed.py; --no-pack turns that off), so
+On the CPU the engine's linear layers are packed for oneDNN (engine/model/packed.py; --no-pack turns that off), so
 hf and hf-pld get a second, unpacked copy of the model: they measure transformers itself.
 
 Each question's first turn goes through the chat template. Methods alternate question by question, in an order
@@ -55,13 +55,13 @@ from transformers import PreTrainedModel
 
 from ..draft.checkpoint import DEFAULT_HEAD
 from ..engine import Engine
-from ..models import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, auto_dtype, load_base
-from ..params import METHODS as ENGINE_METHODS
-from ..progress import progress_bar
-from ..params import DYNAMIC_TREE_OPTIONS, DecodeParams
-from ..tree import TREES, DynamicTree
-from ..corpus import add_corpus_argument, parse_corpus
-from ..quant import GROUPED, KERNELS, KERNELS_HELP, gguf_file
+from ..model.load import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, auto_dtype, load_base
+from ..decode.params import METHODS as ENGINE_METHODS
+from .progress import progress_bar
+from ..decode.params import DYNAMIC_TREE_OPTIONS, DecodeParams
+from ..draft.tree import TREES, DynamicTree
+from ..draft.corpus import add_corpus_argument, parse_corpus
+from ..model.quant import GROUPED, KERNELS, KERNELS_HELP, gguf_file
 from .costs import verification_curve
 from .llamacpp import LlamaCpp, decode_tokens_per_s
 from .report import add_speedups, exactness_warnings, plot, print_table, summarize
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--verify-cache", default="300", metavar="TOKENS",
         help="with --verify-curve: comma-separated cache lengths to measure the curve over (default 300)")
     add("--fixed-threads", dest="follow_load", action="store_false",
-        help="keep torch's thread count fixed instead of giving threads up to busy processes (engine/threads.py)")
+        help="keep torch's thread count fixed instead of giving threads up to busy processes (engine/model/threads.py)")
     add("--busy", type=float, default=0, metavar="N",
         help="run N competing busy processes (a `while True` loop each) during the timed generations, to measure "
              "decoding on a loaded machine; a fractional part is one more process busy that share of the time, in "

@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from ..cache import truncate
-from ..target import Target
-from ..tree import DraftTree
+from ..model.cache import truncate
+from ..model.target import Target
+from ..draft.tree import DraftTree
 
 
 def _sync(device: torch.device) -> None:

@@ -18,8 +18,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..models import require
-from ..params import DecodeParams
+from ..model.load import require
+from ..decode.params import DecodeParams
 from .runs import Run
 
 PACKAGE = "xllamacpp"

@@ -12,8 +12,8 @@ import torch
 from transformers import PreTrainedModel
 
 from ..engine import Engine
-from ..generate import Step
-from ..params import DecodeParams
+from ..decode.round import Step
+from ..decode.params import DecodeParams
 
 PROMPT_LOOKUP_TOKENS = 10
 SHARED_QUESTIONS = Path(__file__).resolve().parents[3] / "shared" / "bench" / "mt_bench.jsonl"

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from ..context import ContextDraft
-from ..corpus import add_corpus_argument, parse_corpus
+from ..draft.context import ContextDraft
+from ..draft.corpus import add_corpus_argument, parse_corpus
 from ..engine import Engine
-from ..params import DecodeParams
-from ..progress import progress_bar
-from ..quant import KERNELS, KERNELS_HELP
-from ..tree import DynamicTree
+from ..decode.params import DecodeParams
+from .progress import progress_bar
+from ..model.quant import KERNELS, KERNELS_HELP
+from ..draft.tree import DynamicTree
 from .bench import parse_sizes
 from .report import summarize
 from .runs import SHARED_QUESTIONS, first_turn_prompts, load_questions, run_engine
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_corpus_argument(parser)
     parser.add_argument("--corpus-share", default=str(ContextDraft.corpus_share),
                         help="comma-separated values to try: the share of the replies sharing the text's end that must "
-                             "agree on a token for the corpus to draft it (engine/corpus.py); 'off': no corpus")
+                             "agree on a token for the corpus to draft it (engine/draft/corpus.py); 'off': no corpus")
     parser.add_argument("--corpus-max-tokens", default=str(ContextDraft.corpus_max_tokens),
                         help="comma-separated values to try: the corpus's longest chain")
     return parser.parse_args(argv)

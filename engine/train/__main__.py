@@ -1,5 +1,5 @@
 """Command line: `python -m engine.train {data,fit,all,export,import} ...` (`all` = data then fit, with defaults;
-`export`/`import` move data shards into and out of one compact record file, engine.train.store)."""
+`export`/`import` move data shards into and out of one compact record file, engine.draft.records)."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ..models import load_base, load_tokenizer
-from ..quant import KERNELS
+from ..model.load import load_base, load_tokenizer
+from ..model.quant import KERNELS
 from .data import TURNS
 from .fit import FitConfig
 
@@ -90,7 +90,7 @@ def run_data(args: argparse.Namespace, out: Path) -> None:
 
 def run_export(args: argparse.Namespace) -> None:
     from .data import read_shards
-    from .store import save_records
+    from ..draft.records import save_records
 
     elsewhere = {r["id"] for path in args.exclude for r in read_shards(path)}
     records = [r for folder in args.data for r in read_shards(folder)]

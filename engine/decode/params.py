@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from .context import ContextDraft
-from .tree import TREES, DynamicTree, TreeSpec
-from .verify import Sampling
+from ..draft.context import ContextDraft
+from ..draft.tree import TREES, DynamicTree, TreeSpec
+from .accept import Sampling
 
 METHODS = ("vanilla", "eagle", "suffix")
 _SAMPLING_OPTIONS = ("temperature", "top_p", "top_k")
@@ -35,7 +35,7 @@ class DecodeParams:
     # not change (a plain step commits what the round would have: the base model's own token).
     plain_every: int = 0
     plain_run: int = 1
-    # eagle: draft with the head only in the rounds where measuring says it pays (engine.gate); off, the head drafts
+    # eagle: draft with the head only in the rounds where measuring says it pays (engine.decode.gate); off, the head drafts
     # every round, as EAGLE does. Either way the output has the same law (greedy: the same tokens); see `gated`.
     gate: bool = False
 

@@ -8,7 +8,7 @@ Both cost in proportion to the tokens they touch. A buffer that fills up is repl
 (copied once), so a chat can outgrow any first allocation.
 
 Buffers may keep another dtype than the model computes in (`kv_dtype`): a GGUF base on the CPU's grouped kernels
-keeps float16, as llama.cpp keeps its cache (engine.quant.kv_dtype), since over a long context reading the cache is
+keeps float16, as llama.cpp keeps its cache (engine.model.quant.kv_dtype), since over a long context reading the cache is
 most of what a step spends (README, "A float16 KV cache"). Every write rounds the same way (torch's float16
 rounding) and attention widens what it reads exactly, so plain decoding and tree verification see the same keys.
 """
@@ -81,7 +81,7 @@ class GrowingLayer(DynamicLayer):
 
     def reserve(self, end: int, keys_like: torch.Tensor, values_like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Buffers with room for `end` positions, created on first use in the dtype, device and heads of the
-        `_like` tensors ([B, kv_heads, any, head_dim]); a kernel that writes them itself calls it (engine.fused)."""
+        `_like` tensors ([B, kv_heads, any, head_dim]); a kernel that writes them itself calls it (engine.model.fused)."""
         if not self.is_initialized:
             self.lazy_initialization(keys_like, values_like)
         if end > self.capacity:

@@ -14,7 +14,7 @@
 //    first, so masked keys between them (a tree's other branches) change nothing; the query heads that share a
 //    key/value head go through together, and so do the rows of a call (a tree's nodes), each key and value read
 //    from memory once for all of them; keys and values float32 or float16 (widened exactly on load).
-// Then two whole forwards built from those and torch's own ops, in transformers' order (engine/fused.py): a q4
+// Then two whole forwards built from those and torch's own ops, in transformers' order (engine/model/fused.py): a q4
 // Llama's decoder (llama_forward) and an EAGLE-3 head's layer (eagle3_layer), without Python between their ops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -292,14 +292,14 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // sum(q). A group's dot product with a weight group is then an integer sum, exact on any path in any order, and only
 // its scaling is float, one fixed sequence per output feature, group after group:
 //   acc = acc + float(sum(qw * q)) * (dw * d)      Q4_1 also: mins = mins + mw * (d * float(s))
-// then out = acc (+ mins) (+ bias). The weights are repacked at load (engine/quant.py repack) so that a vector lane is
+// then out = acc (+ mins) (+ bias). The weights are repacked at load (engine/model/quant.py repack) so that a vector lane is
 // an output feature: 16 features a tile, for each group 8 chunks of 4 consecutive weights of every feature, 64
 // bytes a chunk (Q4_1: chunks c and c + 4 in one byte's low and high nibbles, as GGUF pairs weights j and j + 16);
 // scales and mins [tile, group, 16]. One instruction multiplies 4 weights of 16 features by 4 activations
 // broadcast: with AVX-512 VNNI (vpdpbusd) 64 products, with AVX2 two instructions for 8 features; either way the
 // integers are exact and the float steps are lane for lane the same, so both paths give the same bits, and a
 // row's result never depends on the rows beside it.
-constexpr int64_t LANES = 16;  // output features per int8 tile, one a lane (engine/quant.py TILE)
+constexpr int64_t LANES = 16;  // output features per int8 tile, one a lane (engine/model/quant.py TILE)
 
 struct Int8Rows {
   std::vector<int8_t> q;   // [rows, in]
@@ -347,7 +347,7 @@ Int8Rows quantize_rows(const float* x, int64_t rows, int64_t in) {
   return r;
 }
 
-// Keys and values are float32 or float16 (the engine's KV cache, engine/cache.py), and so are the int8 layers' group
+// Keys and values are float32 or float16 (the engine's KV cache, engine/model/cache.py), and so are the int8 layers' group
 // scales and mins (float16): eight or sixteen of them widened to float32 exactly, so a float16 cache gives the very
 // bits of a float32 one holding the same rounded values.
 __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -514,7 +514,7 @@ void check_repacked(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const int64_t in = x.size(-1), groups = in / GROUP, tiles = (out_features + LANES - 1) / LANES;
   TORCH_CHECK(in % GROUP == 0, "int8 linear layers need in_features divisible by ", GROUP, ", got ", in);
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * chunk_bytes,
-              "codes must be contiguous, repacked for ", out_features, " x ", in, " (engine/quant.py repack)");
+              "codes must be contiguous, repacked for ", out_features, " x ", in, " (engine/model/quant.py repack)");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.sizes() == at::IntArrayRef({tiles, groups, LANES}),
               "scales must be contiguous float16 [tiles, in_features / 32, 16]");
@@ -1136,7 +1136,7 @@ at::Tensor gated(const at::Tensor& gate_up) {
   return act;
 }
 
-// A model's weight tensors, handed to the kernels once (engine.fused) rather than as a list of hundreds with every
+// A model's weight tensors, handed to the kernels once (engine.model.fused) rather than as a list of hundreds with every
 // call: converting that list took ~0.1 ms a forward.
 struct Weights : torch::CustomClassHolder {
   std::vector<at::Tensor> tensors;

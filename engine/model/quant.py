@@ -1,5 +1,5 @@
 """Linear layers that keep their weights as groups of 32 (4-bit Q4_1, 8-bit Q8_0) and multiply them with
-engine/kernels, for a CPU forward that reads a fraction of float32's bytes and stays batch-invariant.
+engine/model/kernels, for a CPU forward that reads a fraction of float32's bytes and stays batch-invariant.
 
 A one-token step on the CPU is bound by the bytes of weight it reads: float32 reads 4 bytes a weight, Q4_1 0.625 and
 Q8_0 1.06. A GGUF model's groups are taken as they are in the file (the embedded SmolLM2: Q4_1 layers, a Q8_0
@@ -24,11 +24,11 @@ from transformers import PreTrainedModel
 from . import kernels
 from .attention import FIXED_ORDER
 from .gguf_tensors import BLOCK_BYTES, read_tensors
-from .models import _source, on_gpu
+from .load import _source, on_gpu
 
 GROUP = 32
 KERNELS = ("auto", "float", "q4", "int8")
-GROUPED = ("q4", "int8")  # the kernels that keep a GGUF's groups (engine/kernels)
+GROUPED = ("q4", "int8")  # the kernels that keep a GGUF's groups (engine/model/kernels)
 KERNELS_HELP = ("the CPU linear layers: float = oneDNN-packed float weights; q4 = a GGUF's 4-bit groups as they are, "
                 "times float32 activations; int8 = the same groups times activations rounded to 8 bits per group of "
                 "32, integer products as llama.cpp computes them (another rounding of the model, ~2x faster matmuls; "
@@ -62,7 +62,7 @@ TILE = 16  # output features per tile of the int8 kernels: one a vector lane
 
 @dataclass
 class Repacked:
-    """Groups as the int8 kernels read them (engine/kernels/cpu.cpp, "int8 activations"): output features in tiles of
+    """Groups as the int8 kernels read them (engine/model/kernels/cpu.cpp, "int8 activations"): output features in tiles of
     16, padded with zero weights; for each tile and group, chunks of 4 consecutive weights of the 16 features (codes
     [tiles, in/32, chunks, 16, 4]: Q4_1 4 chunks of nibble pairs, byte k of chunk c holding weights 4c + k and
     4c + k + 16 as GGUF's byte 4c + k does; Q8_0 8 chunks of int8), scales and mins [tiles, in/32, 16] in float16,
@@ -171,7 +171,7 @@ class QuantLinear(nn.Module):
 
 
 def gguf_file(base: str | None) -> Path | None:
-    """The GGUF file that engine.models loads `base` from (None for other checkpoints, or a hub GGUF not in the
+    """The GGUF file that engine.model.load loads `base` from (None for other checkpoints, or a hub GGUF not in the
     local cache): the file whose groups the kernels keep, and the one llama.cpp runs."""
     name, options = _source(base)
     if "gguf_file" not in options:
@@ -231,7 +231,7 @@ def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str 
     keep float weights); without one, every such layer is quantized to `kind` (a PreTrainedModel's LM head to
     Q8_0)."""
     if not kernels.available():
-        raise RuntimeError(f"QuantLinear needs engine/kernels: {kernels.unavailable_reason()}")
+        raise RuntimeError(f"QuantLinear needs engine/model/kernels: {kernels.unavailable_reason()}")
     found = gguf_groups(model, gguf_file) if gguf_file is not None else None
     lm_head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
     count = 0
@@ -253,7 +253,7 @@ def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str 
 
 
 def resolve_kernels(kernels: str, device: str, dtype: str, pack: bool, quantization: str, gguf: Path | None) -> str:
-    """Engine.load's kernels=: "float" (oneDNN-packed float layers, engine.packed), "q4" (QuantLinear layers: a
+    """Engine.load's kernels=: "float" (oneDNN-packed float layers, engine.model.packed), "q4" (QuantLinear layers: a
     GGUF base's own groups; another base quantized to Q4_1 with its LM head in Q8_0, which changes the model),
     "int8" (the same groups on int8 activations, as llama.cpp computes: another rounding again), or "auto": int8
     for a GGUF base on the CPU (dtype auto or float32) where the kernels build, the fastest (README, "The q4

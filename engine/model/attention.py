@@ -9,9 +9,9 @@ near-tied tokens now and then; in bfloat16 it changes a result by a whole bf16 s
 Two ways out. wide_attention runs the score, softmax and value sums in float64: whatever the order, they agree to
 ~1e-16 relative, far below the float32 or bfloat16 rounding of the output, so the rows come out bit-identical
 (unless an exact result falls within ~1e-16 of a rounding boundary); its float64 copies of the cache make it cost
-more as the context grows. fixed_order_attention (float32 models, engine/kernels) gathers the keys a row sees in key
+more as the context grows. fixed_order_attention (float32 models, engine/model/kernels) gathers the keys a row sees in key
 order and sums them in one fixed order in float32, so a row's bits depend on what it sees and nothing else. With
-linear layers that compute each row alike for any batch (engine.packed, engine.quant), this makes a whole CPU
+linear layers that compute each row alike for any batch (engine.model.packed, engine.model.quant), this makes a whole CPU
 forward batch-invariant.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from . import kernels
 
 NAME = "eagle_wide"
-FIXED_ORDER = "eagle_fixed_order"  # float32 models with engine/kernels built
+FIXED_ORDER = "eagle_fixed_order"  # float32 models with engine/model/kernels built
 
 
 def wide_attention(
@@ -73,7 +73,7 @@ def fixed_order_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """wide_attention's contract in float32 without the float64 copies of the cache that grow with the context:
-    engine/kernels sums each row's visible keys in key order (masked keys skipped), so a row's bits depend only on
+    engine/model/kernels sums each row's visible keys in key order (masked keys skipped), so a row's bits depend only on
     what it sees. Same shapes as wide_attention; the mask must be shared by the heads ([B, 1, M, >=L])."""
     _refuse_unsupported(kwargs)
     if attention_mask is not None and attention_mask.dtype == torch.bool:
@@ -96,7 +96,7 @@ for _name, _function in ((NAME, wide_attention), (FIXED_ORDER, fixed_order_atten
 
 def use_wide_attention(model: PreTrainedModel) -> bool:
     """Switch a model that runs wholly on the CPU to a batch-invariant attention (fixed_order_attention for float32
-    where engine/kernels build: faster, and it does not grow with the context as the float64 copies do;
+    where engine/model/kernels build: faster, and it does not grow with the context as the float64 copies do;
     wide_attention otherwise); True if it now uses one. Models elsewhere keep their attention (GPU kernels round
     differently again), and so do models that cannot change it after loading."""
     if any(p.device.type != "cpu" for p in model.parameters()):

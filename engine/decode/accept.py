@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .tree import DraftTree
+from ..draft.tree import DraftTree
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cache import GrowingCache, GrowingLayer, truncate
+from ..model.cache import GrowingCache, GrowingLayer, truncate
 
 
 @dataclass

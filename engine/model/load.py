@@ -88,7 +88,7 @@ def _gguf_path(name: str, kwargs: dict) -> Path:
 
 
 def _with_converted(source: tuple[str, dict], load):
-    """load(name, kwargs) from a GGUF's converted folder (engine.gguf_cache) where one is kept, else from `source`.
+    """load(name, kwargs) from a GGUF's converted folder (engine.model.gguf_cache) where one is kept, else from `source`.
     A converted copy that fails to load is converted again once, so a damaged cache costs time, never the load."""
     name, kwargs = source
     if "gguf_file" not in kwargs:
@@ -163,7 +163,7 @@ def quantization_config(quantization: str, compute_dtype: torch.dtype) -> BitsAn
 
 
 def resolve_device(device: str) -> str:
-    """Check a device name; "auto" stays "auto" where torch sees a GPU (engine.placement picks one or several) and
+    """Check a device name; "auto" stays "auto" where torch sees a GPU (engine.model.placement picks one or several) and
     becomes the CPU elsewhere."""
     if device == "auto":
         return "auto" if torch.cuda.is_available() else "cpu"
@@ -187,7 +187,7 @@ def auto_dtype(device: str, quantization: str = "none", pack: bool = True) -> st
     On a GPU, bfloat16 (float16 on GPUs without native bf16): float32 doubles the memory (an 8B model no longer fits a
     24 GB card) and leaves bitsandbytes' 4-bit layers off their fast path. There greedy EAGLE equals plain decoding
     except at floating-point near-ties, as a tree and a one-token step run different kernels. On the CPU, bfloat16 for
-    a packed, unquantized model where the CPU multiplies bf16 natively (packed layers and engine.attention keep every
+    a packed, unquantized model where the CPU multiplies bf16 natively (packed layers and engine.model.attention keep every
     row batch-invariant, so verification stays exact, and a step reads half the bytes); float32 elsewhere.
     """
     if on_gpu(device):

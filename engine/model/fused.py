@@ -1,13 +1,12 @@
-"""A Llama base on the q4 kernels in one C++ call per forward (engine/kernels llama_forward), the same bits as
-transformers' own forward; likewise an EAGLE-3 head's layer on Q8_0 kernels (eagle3_layer), for drafting.
+"""A Llama base on the q4 kernels in one C++ call per forward (engine/model/kernels llama_forward), the same bits as
+transformers' own forward (the draft head's twin is engine/draft/fused.py).
 
 A decoding step of a small model on the CPU runs ~40 ops in each of its 30 layers, and transformers' modules spend
 more time in Python between them than the q4 matmuls take. llama_forward runs the very ops transformers runs, in the
 same order on the same kernels (Q4_1 linear layers, fixed-order attention; norms, rotary and the residual stream by
 hand, each step rounded as torch rounds it, around torch's own mean and SiLU), so hidden states, features and cache
 come out bit for bit as through the model (tests/test_fused.py), and plain decoding and EAGLE still run one model.
-Models it does not describe exactly keep transformers' forward. A draft round runs the head three or four times on
-a few rows, where the Python between ops cost more than the ops.
+Models it does not describe exactly keep transformers' forward.
 """
 from __future__ import annotations
 
@@ -17,8 +16,6 @@ from transformers import PreTrainedModel
 from . import kernels
 from .attention import FIXED_ORDER
 from .cache import GrowingCache, GrowingLayer
-from .draft.eagle3 import Eagle3Head
-from .draft.layers import KV
 from .quant import TILE, QuantLinear
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -79,7 +76,7 @@ def why_not_fused(model: PreTrainedModel) -> str | None:
         (lambda: not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False), "biases"),
         (lambda: bool(layers) and _on_q4_groups(layers), "layers not all on Q4_1 groups of one kernel"),
         (lambda: model.dtype == torch.float32, f"{model.dtype} weights"),
-        (kernels.available, "engine/kernels unavailable"),
+        (kernels.available, "engine/model/kernels unavailable"),
     )
     return next((reason for holds, reason in checks if not holds()), None)
 
@@ -88,12 +85,12 @@ def _on_q4_groups(layers) -> bool:
     """Every projection a bias-free Q4_1 QuantLinear, all on the same kernel (int8 or not), and transformers'
     RMSNorm."""
     modules = [layer.get_submodule(name) for layer in layers for name in PROJECTIONS]
-    return _stackable(modules, "Q4_1") and all(
+    return stackable(modules, "Q4_1") and all(
         type(norm).__name__ == "LlamaRMSNorm" for layer in layers
         for norm in (layer.input_layernorm, layer.post_attention_layernorm))
 
 
-def _stackable(modules: list, kind: str) -> bool:
+def stackable(modules: list, kind: str) -> bool:
     """Bias-free QuantLinears of `kind`, all int8 or none; int8 ones in whole tiles, so that stacking keeps every
     projection's features where the kernel call's output puts them."""
     if not all(isinstance(m, QuantLinear) and m.kind == kind and m.bias is None for m in modules):
@@ -106,24 +103,24 @@ def _layer_tensors(layer: torch.nn.Module) -> list[torch.Tensor]:
     as one, down (fewer, larger calls: each output feature is computed as in its own projection, so the same bits)."""
     tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     for names in MATMULS:
-        tensors += _stacked([layer.get_submodule(name) for name in names])
+        tensors += stacked([layer.get_submodule(name) for name in names])
     return tensors
 
 
-def _stacked(projections: list[QuantLinear]) -> list[torch.Tensor]:
+def stacked(projections: list[QuantLinear]) -> list[torch.Tensor]:
     """The groups of projections that take the same input (codes, scales and, for Q4_1, mins), stacked by output
     feature; the projections' own buffers become views of them, so the weights are held once."""
     parts = ("codes", "scales", "mins") if projections[0].kind == "Q4_1" else ("codes", "scales")
     if len(projections) == 1:
         return [getattr(projections[0], part) for part in parts]
-    stacked = [torch.cat([getattr(p, part) for p in projections]) for part in parts]
+    merged = [torch.cat([getattr(p, part) for p in projections]) for part in parts]
     start = 0
     for projection in projections:  # by features, or by tiles of them on int8 kernels: the buffers' first dimension
         end = start + len(projection.codes)
-        for part, tensor in zip(parts, stacked):
+        for part, tensor in zip(parts, merged):
             setattr(projection, part, tensor[start:end])
         start = end
-    return stacked
+    return merged
 
 
 def _layers(cache: GrowingCache, count: int) -> list[GrowingLayer]:
@@ -131,38 +128,3 @@ def _layers(cache: GrowingCache, count: int) -> list[GrowingLayer]:
     while len(cache.layers) < count:
         cache.layers.append(cache.layer_class_to_replicate())
     return cache.layers
-
-
-class FusedEagle3:
-    """An EAGLE-3 head whose layer's projections are bias-free Q8_0 QuantLinears (a head on a q4 engine), called as
-    the head is (DraftHead.forward), its layer in one kernel call."""
-
-    def __init__(self, head: Eagle3Head):
-        self.head, layer = head, head.midlayer
-        self.heads, self.head_dim = layer.self_attn.heads, layer.self_attn.head_dim
-        self.eps = float(layer.input_layernorm.eps)
-        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
-        self.weights = [norm.weight for norm in norms]
-        for names in MATMULS:
-            self.weights += _stacked([layer.get_submodule(name) for name in names])
-        self.int8 = layer.self_attn.q_proj.int8
-
-    @classmethod
-    def of(cls, head) -> FusedEagle3 | None:
-        """A FusedEagle3 for `head` if eagle3_layer computes exactly what its modules compute (QuantLinears exist
-        only where engine/kernels built)."""
-        if not isinstance(head, Eagle3Head):
-            return None
-        projections = [head.midlayer.get_submodule(name) for name in PROJECTIONS]
-        return cls(head) if _stackable(projections, "Q8_0") else None
-
-    def __call__(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, past: list[KV] | None,
-                 mask: torch.Tensor, from_target: bool) -> tuple[torch.Tensor, list[KV]]:
-        head = self.head
-        hidden = hidden.to(head.fc.weight.dtype)
-        hidden = head.fc(hidden) if from_target else hidden
-        cos, sin = head.rope(positions)
-        keys, values = past[0] if past is not None else (None, None)
-        out, k, v = torch.ops.eagle_cpu.eagle3_layer(head.embed(token_ids), hidden, cos, sin, keys, values, mask,
-                                                     self.weights, self.heads, self.head_dim, self.eps, self.int8)
-        return out, [(k, v)]

@@ -14,7 +14,7 @@ class Target:
     """Wraps a Hugging Face causal LM; the LM head is applied separately so callers pay only for rows they need."""
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None, fused: bool = True):
-        """fused: run the decoder as one kernel call where engine.fused describes the model exactly (same bits)."""
+        """fused: run the decoder as one kernel call where engine.model.fused describes the model exactly (same bits)."""
         self.model = model
         self.fused = FusedLlama.of(model) if fused else None
         self.body = model.get_decoder()

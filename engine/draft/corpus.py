@@ -1,5 +1,5 @@
 """The corpus index: what the model itself wrote after the same words in other answers, for drafting where the
-context (engine.context) has nothing.
+context (engine.draft.context) has nothing.
 
 A small chat model says the same things in the same words across answers ("Here are some tips", "In conclusion,
 ..."), and its greedy replies to thousands of prompts are in the repository already: the self-distilled training
@@ -23,12 +23,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .gguf_cache import cache_root
-from .train.store import load_arrays
+from ..model.gguf_cache import cache_root
+from .records import load_arrays
 
 DEPTH = 32  # longest match looked for, in tokens: replies are sorted by their last DEPTH tokens only
 VOTERS = 256  # occurrences of a match that vote on its continuation, evenly spread over them
-DEFAULT_CORPUS = sorted((Path(__file__).resolve().parent.parent / "data" / "selfdistill").glob("*.npz"))
+DEFAULT_CORPUS = sorted((Path(__file__).resolve().parents[2] / "data" / "selfdistill").glob("*.npz"))
 _BEFORE_START = -(1 << 40)  # below every token and separator: what precedes the stream's first token
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class CorpusIndex:
 
     @classmethod
     def from_files(cls, paths: Iterable[str | Path], cache: bool = True) -> "CorpusIndex":
-        """The replies (not the prompts) of training-record files (engine.train.store: `export`'s .npz)."""
+        """The replies (not the prompts) of training-record files (engine.draft.records: `export`'s .npz)."""
         replies = []
         for path in paths:
             tokens, offsets, prompt_lens, _ = load_arrays(path)

@@ -6,7 +6,7 @@ makes a forward over a few dozen tree tokens cost little more than one token (me
 The packed layer computes the same products in the same order for every batch of two or more rows. For some shapes
 oneDNN gives a lone row (one-token decoding) another kernel that sums in another order; such a row goes through as
 two. Every row thus comes out the same bits whatever the batch, and a tree forward agrees with one-token decoding
-(see engine.attention).
+(see engine.model.attention).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        measure_lone_rows(  # now, at load, for every thread count the engine may switch to (engine.threads)
+        measure_lone_rows(  # now, at load, for every thread count the engine may switch to (engine.model.threads)
             self.in_features, self.out_features, linear.weight.dtype, self.bias is not None,
             range(1, torch.get_num_threads() + 1),
         )

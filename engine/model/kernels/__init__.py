@@ -1,10 +1,10 @@
 """The engine's own CPU kernels (cpu.cpp): 4- and 8-bit grouped linear layers (on float32 or int8 activations) and
 a float32 attention whose rows come out the same bits whatever shares their forward, and whole forwards built from
-them (engine.fused).
+them (engine.model.fused).
 
 Compiled on first use with torch's extension builder (a C++ compiler and ninja; cached under
 ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) for x86 CPUs with AVX2 and FMA. Where that cannot happen the
-engine keeps its float kernels (engine.packed, engine.attention's float64 path) and says why once.
+engine keeps its float kernels (engine.model.packed, engine.model.attention's float64 path) and says why once.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def unavailable_reason() -> str | None:
         load(name="eagle_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
              is_python_module=False)
     except (OSError, RuntimeError, ImportError) as err:  # no compiler, no ninja, a failed build
-        log.warning("engine/kernels could not be built, the float kernels stay: %s", str(err).splitlines()[0])
-        return f"building engine/kernels/cpu.cpp failed: {str(err).splitlines()[0]}"
+        log.warning("engine/model/kernels could not be built, the float kernels stay: %s", str(err).splitlines()[0])
+        return f"building engine/model/kernels/cpu.cpp failed: {str(err).splitlines()[0]}"
     return None
 
 

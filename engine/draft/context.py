@@ -135,7 +135,7 @@ class ContextDraft:
     max_tokens: int = 16  # the longest chain, whatever the match
     branches: int = 2  # distinct continuations drafted (one chain each)
     min_match: int = 2  # shorter matches draft nothing
-    # Where the context drafts nothing, one chain from the corpus (engine.corpus): the tokens that at least
+    # Where the context drafts nothing, one chain from the corpus (engine.draft.corpus): the tokens that at least
     # corpus_share of the replies sharing the text's end continued it with. On the shipped model's MT-bench answers
     # such a first token was right 37-86 % of the time, one with less agreement mostly 10-35 %; one token a round
     # paid best on the CPU, where each drafted row costs ~a quarter of a plain step (README, "Drafting from the
