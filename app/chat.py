@@ -72,8 +72,8 @@ class EngineThread:
     """One long-lived thread for every engine call of the app, the model load included.
 
     Why: each thread that runs torch CPU work gets its own OpenMP team. Gradio calls a generator's steps from
-    any of its worker threads, and once a second team exists on a 2-core machine decoding ran at about half
-    speed (plain decoding 10-12 instead of 18-20 tokens/s, measured in the app and in a bare script).
+    any of its worker threads, and once a second team exists on a 2-core machine decoding runs at little more than
+    half its speed, in the app as in a bare script.
     """
 
     def __init__(self) -> None:

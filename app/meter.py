@@ -5,10 +5,10 @@ The baseline is not a figure from another time: an EAGLE answer decodes a run of
 PLAIN_EVERY rounds (DecodeParams.plain_every, the first run half a period in), under whatever else the machine is
 doing at that moment, and the speedup divides the answer's speed (those steps included: what the user gets) by
 the speed of the runs' last steps. The first SETTLING steps of a run are not timed: a step right after drafting
-rounds runs slower than one after other plain steps (README, "Speedup meter": a quarter slower at first, as fast
-within about four steps), and plain decoding is nothing but steps after plain steps. A plain-decoding answer is
-its own baseline: 1.00×. Speeds count decoding rounds only: the prefill (prompt processing) costs the same with or
-without EAGLE.
+rounds runs slower than one after other plain steps (docs/benchmarks.md, "The speedup meter's accuracy":
+slower at first, as fast within a few steps), and plain decoding is nothing but steps after plain steps. A
+plain-decoding answer is its own baseline: 1.00×. Speeds count decoding rounds only: the prefill (prompt
+processing) costs the same with or without EAGLE.
 
 A hiccup (a step the machine held up, e.g. while the browser repaints) lands on one of an answer's few timed plain
 steps as often as on any round, but there it moves the baseline by a third or more: a hiccup's excess time is

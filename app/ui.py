@@ -23,12 +23,12 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples.txt"
 EMPTY_HINT = "Type a message first: an empty message is not sent."
 BUSY_HINT = "An answer is still being written: wait for it or press Stop."
 STOP_WAIT_S = 60  # the longest a round can take to finish after Stop, on a slow machine
-UPDATE_EVERY_S = 0.5  # page updates while an answer streams; more often costs the decoder (README, "Streaming")
+UPDATE_EVERY_S = 0.5  # page updates while an answer streams; more often costs the decoder (docs/app.md)
 # Gradio's queue looks for new events every 1 ms off Windows (every 50 ms there), and for progress every 10 ms:
-# over a thousand wake-ups a second, each taking the GIL and a core from the decoder's threads (README, "Streaming").
+# over a thousand wake-ups a second, each taking the GIL and a core from the decoder's threads (docs/app.md).
 QUEUE_POLL_S = 0.05
 # No progress display: even "minimal" redraws its elapsed-time counter every animation frame while an answer
-# streams, and on two cores the browser's work is taken from the decoder (README, "Streaming").
+# streams, and on two cores the browser's work is taken from the decoder (docs/app.md).
 ENGINE_EVENTS = dict(concurrency_id="engine", concurrency_limit=1, show_progress="hidden")
 # Quick steps skip the engine's line but stay queued: only queued events can show a hint (gr.Warning).
 QUICK_EVENTS = dict(concurrency_limit=None, show_progress="hidden")

@@ -93,7 +93,7 @@ def test_a_forward_gives_the_same_bits_with_one_and_two_threads(two_threads):
 def test_packed_layers_know_their_lone_row_kernel_for_every_thread_count_from_load(two_threads):
     """The governor may switch to any count from 1 to the cores: a packed layer measures oneDNN's lone-row
     summation order for all of them when it is built, so no decoding step after a switch pays the measurement
-    (it made that step 10x slower, and the meter's plain-step timing with it). Measured together, the answers are
+    (it made that step far slower, and the meter's plain-step timing with it). Measured together, the answers are
     those of measuring each thread count alone."""
     from engine.model import packed
 
@@ -126,7 +126,7 @@ def _others_cpu_seconds() -> float:
 @pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
 def test_the_engines_own_kernels_share_their_work_with_torchs_threads(two_threads):
     """engine/model/kernels must be built with OpenMP: without it at::parallel_for runs serially and the q4 matmul and
-    the fixed-order attention used one core of two (they did, until found). Seen as CPU time on torch's worker
+    the fixed-order attention would use one core of two. Seen as CPU time on torch's worker
     thread, not as a speed. Their rows come out the same bits with one thread or two."""
     generator = torch.Generator().manual_seed(0)
     layer = QuantLinear(quantize(torch.randn(2048, 1024, generator=generator) * 0.05, "Q4_1"), None)

@@ -60,7 +60,7 @@ class Sampling:
 
 def greedy_tokens(logits: torch.Tensor) -> int | list[int]:
     """The argmax of logits [V] or of each row of [N, V], the first of equal maxima as torch's: on the CPU numpy's,
-    which takes ~3 us over 49 k logits where torch's takes ~70 (a plain step is ~4 ms)."""
+    which is far quicker than torch's over a large vocabulary, next to a plain step that costs a few ms."""
     best = logits.numpy().argmax(-1) if logits.device.type == "cpu" else logits.argmax(-1)
     return best.tolist()
 

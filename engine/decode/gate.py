@@ -2,7 +2,7 @@
 
 A head pays only where the drafts it gets accepted save more base-model time than drafting and verifying them
 cost, and that depends on the machine, its load, the head and the text: on two CPU cores the shipped head makes
-MT-bench answers slower than drafting from the context alone (README, "The head gate"). So the gate runs windows of
+MT-bench answers slower than drafting from the context alone (docs/benchmarks.md). So the gate runs windows of
 rounds with the head drafting and without it (the context's chains alone, or a plain step where there are none),
 and gives most windows to the arm that decodes more tokens a second. A text's own speed swings by half from one
 passage to the next (a list the context drafts well, then prose), far more than the arms differ, so arms are only

@@ -125,10 +125,10 @@ class ContextIndex:
 class ContextDraft:
     """Which continuations of the context a round drafts: chains under the tree's root, the longest match's
     continuation first and the others at half its length. A longer match earns a longer chain: on the shipped
-    model's MT-bench answers the first continued token was right 22 % of the time after a 1-token match, 60 %
-    after 3 and 93 % after 8 or more, and the accepted length grew about as fast as the match (README, "Drafting
-    from the context"). A 1-token match drafts nothing: its chains, right 22 % of the time, took the round from
-    the head's draft, right ~41 % of the time, and cost more rows to verify.
+    model's MT-bench answers the first continued token was right the more often the longer the match, nearly
+    always after 8 or more tokens, and the accepted length grew about as fast as the match (docs/decoding.md,
+    "Drafting from the context"). A 1-token match drafts nothing: its chains, right far less often than the head's
+    first draft, took the round from it and cost more rows to verify.
     """
 
     tokens_per_match: float = 2.0  # chain length per matched token
@@ -137,9 +137,9 @@ class ContextDraft:
     min_match: int = 2  # shorter matches draft nothing
     # Where the context drafts nothing, one chain from the corpus (engine.draft.corpus): the tokens that at least
     # corpus_share of the replies sharing the text's end continued it with. On the shipped model's MT-bench answers
-    # such a first token was right 37-86 % of the time, one with less agreement mostly 10-35 %; one token a round
-    # paid best on the CPU, where each drafted row costs ~a quarter of a plain step (README, "Drafting from the
-    # model's own replies")
+    # such a token was right far more often than one with less agreement; one token a round paid best on the CPU,
+    # where each drafted row costs a good share of a plain step (docs/benchmarks.md, "Drafting from the context and
+    # the corpus")
     corpus_share: float = 0.7
     corpus_max_tokens: int = 1
 

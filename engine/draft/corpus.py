@@ -7,7 +7,7 @@ data (data/selfdistill/, replies the engine's plain decoding wrote). A suffix ar
 backwards, finds after every round the longest suffix of the text that a reply contains, and the tokens that most
 often followed it there, where the replies that share the match mostly agree on them. Like the context's, its
 chains are deterministic functions of the text, so verification treats them as any other draft (q = 1) and the
-output never changes (README, "Drafting from the model's own replies").
+output never changes (docs/decoding.md, "Drafting from the model's own replies").
 """
 from __future__ import annotations
 

@@ -188,16 +188,17 @@ def grow_static(expander: Expander, root: int, root_hidden: torch.Tensor, paths:
 class DynamicTree:
     """EAGLE-2's tree: expand the top_k best nodes for `depth` steps, keep the best total_tokens - 1 drafts.
 
-    Defaults tuned for the shipped head on a CPU (README, "Tree size"): with a head that accepts ~2 tokens a
-    round, small shallow trees win there; on a GPU, or with a better head, larger trees pay off.
+    Defaults tuned for the shipped head on a CPU (docs/benchmarks.md, "Tree size and min_prob"): with a head that
+    accepts under 2 tokens a round, small shallow trees win there; on a GPU, or with a better head, larger trees
+    pay off.
     """
 
     total_tokens: int = 2  # tree nodes including the root (the official `total_token`)
     depth: int = 1  # expansion steps: the tree reaches depth + 1 drafted levels
     top_k: int = 2  # children per expanded node
     # Keep only drafts whose path the head gives at least this probability (0: keep total_tokens - 1 always). The
-    # head's cumulative probability tracks acceptance (EAGLE-2; README, "Drafts worth their row"), and on a CPU a
-    # verified row costs a fifth of a plain step or more, so a draft unlikely to be accepted costs more than it brings.
+    # head's cumulative probability tracks acceptance (EAGLE-2), and on a CPU a verified row costs a good share of a
+    # plain step, so a draft unlikely to be accepted costs more than it brings.
     min_prob: float = 0.0
 
     def __post_init__(self):
@@ -217,8 +218,8 @@ class DynamicTree:
     def beside(self, context_nodes: int) -> DynamicTree | None:
         """The head's share of the round when the context's chains take `context_nodes` of its total_tokens - 1
         drafts: the rest, or None when they take it all (a long match's chain may exceed the budget: that round is
-        the context's alone, and the head's drafting time is saved). Chosen by measurement (README, "Drafting from
-        the context")."""
+        the context's alone, and the head's drafting time is saved). Chosen by measurement (docs/decoding.md,
+        "Drafting from the context")."""
         left = self.total_tokens - context_nodes
         return replace(self, total_tokens=left) if left >= 2 else None
 

@@ -9,7 +9,7 @@ Both cost in proportion to the tokens they touch. A buffer that fills up is repl
 
 Buffers may keep another dtype than the model computes in (`kv_dtype`): a GGUF base on the CPU's grouped kernels
 keeps float16, as llama.cpp keeps its cache (engine.model.quant.kv_dtype), since over a long context reading the cache is
-most of what a step spends (README, "A float16 KV cache"). Every write rounds the same way (torch's float16
+most of what a step spends (docs/models.md, "CPU kernels"). Every write rounds the same way (torch's float16
 rounding) and attention widens what it reads exactly, so plain decoding and tree verification see the same keys.
 """
 from __future__ import annotations

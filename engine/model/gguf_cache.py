@@ -4,8 +4,8 @@ transformers reads a GGUF through gguf-py, which parses every metadata field in 
 config, the tokenizer, the weights): for SmolLM2's 49k-token vocabulary that is most of the app's start-up and of
 every real-model test. The first load writes what it produced (the float32 weights exactly as dequantized, the
 config, the tokenizer) under the user's cache; later loads read safetensors. The folder is keyed by the file's
-SHA-256 (0.1 s for SmolLM2's; the same file copied elsewhere shares one copy) and transformers' version (its
-dequantizing code), written under a temporary name and renamed, so two processes converting at once or a
+SHA-256 (quick for a small model's file; the same file copied elsewhere shares one copy) and transformers' version
+(its dequantizing code), written under a temporary name and renamed, so two processes converting at once or a
 conversion cut short leave no half folder behind. Copies unused for UNUSED_DAYS are removed at the next conversion.
 """
 from __future__ import annotations

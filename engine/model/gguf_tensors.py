@@ -1,7 +1,7 @@
 """A GGUF file's tensor table and raw blocks, read in milliseconds.
 
 gguf-py's GGUFReader parses every metadata field into numpy views first: for a vocabulary of 49k tokens and merges
-that took 8-30 s on this CPU, for a few hundred tensors the quantized kernels need. This walks the metadata only to
+that takes seconds, for a few hundred tensors the quantized kernels need. This walks the metadata only to
 skip it (keeping the architecture name and the data alignment) and memory-maps the tensor data
 (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, versions 2 and 3).
 """

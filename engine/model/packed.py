@@ -1,8 +1,8 @@
 """Linear layers with their weights packed once for oneDNN, for inference on the CPU.
 
 A plain `nn.Linear` on the CPU re-lays its weight out for the matmul kernel on every call. For a small model that
-is memory-bound per token, this costs as much as the matmul itself: packing once halves a one-token forward and
-makes a forward over a few dozen tree tokens cost little more than one token (measured in README, "CPU kernels").
+is memory-bound per token, this costs as much as the matmul itself: packing once makes a one-token forward much
+cheaper and a forward over a few dozen tree tokens cost little more than one token.
 The packed layer computes the same products in the same order for every batch of two or more rows. For some shapes
 oneDNN gives a lone row (one-token decoding) another kernel that sums in another order; such a row goes through as
 two. Every row thus comes out the same bits whatever the batch, and a tree forward agrees with one-token decoding
@@ -87,8 +87,8 @@ def measure_lone_rows(
     any change of summation order shows in the result, in bfloat16 outputs too. Padding every lone row instead would
     cost ~10 % of a float32 step, where most shapes need none. One measurement takes a few hundred ms for an LM head
     (most of it making the test weight), so every thread count shares one weight, and the engine measures them all
-    at load: measured in the first step after a thread-count change, it made that step 10x slower (and the meter's
-    plain-step timing with it).
+    at load: measured in the first step after a thread-count change, it made that step many times slower (and the
+    meter's plain-step timing with it).
     """
     counts = [t for t in thread_counts if (in_features, out_features, dtype, bias, t) not in _LONE_ROWS]
     if not counts:

@@ -256,8 +256,8 @@ def resolve_kernels(kernels: str, device: str, dtype: str, pack: bool, quantizat
     """Engine.load's kernels=: "float" (oneDNN-packed float layers, engine.model.packed), "q4" (QuantLinear layers: a
     GGUF base's own groups; another base quantized to Q4_1 with its LM head in Q8_0, which changes the model),
     "int8" (the same groups on int8 activations, as llama.cpp computes: another rounding again), or "auto": int8
-    for a GGUF base on the CPU (dtype auto or float32) where the kernels build, the fastest (README, "The q4
-    kernels"), also where the CPU multiplies bf16 natively; float elsewhere (another base would be changed by
+    for a GGUF base on the CPU (dtype auto or float32) where the kernels build, the fastest (docs/benchmarks.md,
+    "CPU kernels"), also where the CPU multiplies bf16 natively; float elsewhere (another base would be changed by
     quantizing it)."""
     if kernels not in KERNELS:
         raise ValueError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")

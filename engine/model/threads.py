@@ -3,8 +3,8 @@ processes want some.
 
 torch's OpenMP threads wait for each other at the end of every parallel operation, spinning on their core. When
 another process holds one of two cores, the thread that shares it is descheduled mid-operation and its partner
-spins until it comes back: decoding with two threads then runs far slower than with one (README, "Busy
-machine"). Between two decoding steps the governor looks at how much CPU other processes used since its last look
+spins until it comes back: decoding with two threads then runs far slower than with one (docs/benchmarks.md,
+"Busy machine"). Between two decoding steps the governor looks at how much CPU other processes used since its last look
 (from /proc/stat and /proc/self/stat, Linux only) and sets the thread count to the cores they leave free.
 
 Processes at a positive nice level (background jobs) are not counted: they yield to the engine anyway. Every
@@ -51,7 +51,7 @@ class ThreadGovernor:
 
     def update(self) -> int:
         """Re-read the load if a window has passed and set the thread count; returns the count in effect."""
-        if self._since is None or time.monotonic() - self._since[0] < self.window_s:  # /proc costs ~0.1 ms a read
+        if self._since is None or time.monotonic() - self._since[0] < self.window_s:  # reading /proc is not free
             return torch.get_num_threads()
         now, times = time.monotonic(), _busy_seconds()
         started, total_then, mine_then = self._since

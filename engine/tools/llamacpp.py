@@ -3,9 +3,9 @@ same answer length and stop tokens, greedy, through `xllamacpp` (a prebuilt whee
 requirements-bench.txt).
 
 The server runs in a child process and answers on a local port; its native /completion endpoint takes token ids
-and returns token ids, so nothing is re-tokenized. In the bench's own process, merely starting it slowed the
-engine's plain decoding from ~25 to ~15 tokens/s for the rest of the run (its OpenMP build and torch's share one
-runtime there), so every method but llama.cpp ran slow in a run that included it. Its figures are the wall time of
+and returns token ids, so nothing is re-tokenized. In the bench's own process, merely starting it would slow the
+engine's plain decoding markedly for the rest of the run (its OpenMP build and torch's share one runtime there),
+so every method but llama.cpp would run slow in a run that included it. Its figures are the wall time of
 each request (prefill included, as for every other method) and llama.cpp's own decode timings (prefill excluded).
 """
 from __future__ import annotations
