@@ -1,4 +1,10 @@
-"""An OpenAI-compatible endpoint (/v1/chat/completions, /v1/models) over the app's one ChatService.
+"""An OpenAI-compatible endpoint over the app's one ChatService. Its routes:
+
+- POST /v1/chat/completions: answer a conversation (in the model's chat template, or as plain text for a model that
+  does not chat);
+- POST /v1/completions: continue a plain text prompt, for any model (the protocol's legacy completions);
+- GET /v1/models: the served model ids, the base model alone (plain decoding) and base+head (EAGLE);
+- GET /v1/engine: whether the model is loaded, and the engine's rounds and turns in progress.
 
 API requests take their turn with the UI's: ChatService.stream waits for the same turn lock and decodes on the same
 engine thread. A request reads that stream from worker threads, one update per call, and closes it at a stop string
@@ -12,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 import uvicorn
@@ -21,13 +27,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from engine import DecodeParams
+from engine import DecodeParams, Engine
 from engine.draft.checkpoint import DEFAULT_HEAD
 from engine.model.load import DEFAULT_BASE
 
 from .chat import APP_PARAMS, ChatService
 from .meter import TurnMeter
-from .openai_schema import ApiError, ChatRequest, Completion, event, parse_request, usage
+from .openai_schema import (
+    ApiError, ChatCompletion, ChatRequest, Completion, CompletionRequest, SamplingRequest, TextCompletion, event,
+    parse_request, usage,
+)
 from .render import Answer
 
 log = logging.getLogger(__name__)
@@ -92,15 +101,39 @@ class Access:
         return None
 
 
+def conversation_ids(engine: Engine, chat: ChatRequest) -> list[int]:
+    return engine.encode_chat([m.chat() for m in chat.messages])
+
+
+def prompt_ids(engine: Engine, completion: CompletionRequest) -> list[int]:
+    return engine.encode_text(completion.prompt)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What sets the two completion routes apart; the checks, the decoding and the answer's course are shared."""
+
+    request: type[SamplingRequest]
+    encode: Callable[[Engine, Any], list[int]]  # the request's prompt as token ids; ValueError if unfit
+    field: str  # the request field that holds the prompt, named when it is refused
+    noun: str  # what the prompt is called in a refusal
+    answer: type[Completion]
+
+
+CHAT = Endpoint(ChatRequest, conversation_ids, "messages", "conversation", ChatCompletion)
+TEXT = Endpoint(CompletionRequest, prompt_ids, "prompt", "prompt", TextCompletion)
+
+
 @dataclass(frozen=True)
 class Job:
-    """A validated request, ready for the engine."""
+    """A validated request, ready for the engine, and the shape its answer takes."""
 
     model: str
     prompt_ids: list[int]
     params: DecodeParams
     stops: tuple[str, ...]
     include_usage: bool
+    answer: type[Completion]
 
 
 def release(text: str, stops: tuple[str, ...], final: bool) -> tuple[int, bool]:
@@ -149,9 +182,11 @@ class Api:
     """The /v1 routes. Until a ChatService is attached (the model loads) they answer 503."""
 
     def __init__(
-        self, access: Access, max_new_tokens: int, defaults: DecodeParams = APP_PARAMS,
+        self, access: Access, max_new_tokens: int | None = None, defaults: DecodeParams = APP_PARAMS,
         waiting: int = WAITING_REQUESTS,
     ):
+        """max_new_tokens: the longest answer this server gives (a longer max_tokens is cut there, finish_reason
+        "length"); None: as long as the model's context holds."""
         self.access, self.max_new_tokens, self.defaults = access, max_new_tokens, defaults
         self.service: ChatService | None = None
         self.models: dict[str, str] = {}
@@ -168,6 +203,7 @@ class Api:
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/engine", self.engine_status, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/{path:path}", self.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
         ]
 
@@ -200,40 +236,50 @@ class Api:
         return _error(ApiError(404, f"no route {request.method} {request.url.path} on this server", code="unknown_url"))
 
     async def chat_completions(self, request: Request) -> JSONResponse | StreamingResponse:
+        return await self._complete(request, CHAT)
+
+    async def completions(self, request: Request) -> JSONResponse | StreamingResponse:
+        """Plain text continued, for every model, chatting or not, as OpenAI-compatible servers do."""
+        return await self._complete(request, TEXT)
+
+    async def _complete(self, request: Request, endpoint: Endpoint) -> JSONResponse | StreamingResponse:
         try:
             service = self._ready(request)
-            chat = parse_request(await _body(request))
-            job = await anyio.to_thread.run_sync(self._job, service, chat, limiter=self._waiting)
+            asked = parse_request(await _body(request), endpoint.request)
+            job = await anyio.to_thread.run_sync(self._job, service, endpoint, asked, limiter=self._waiting)
         except ApiError as err:
             return _error(err)
-        if chat.stream:
+        if asked.stream:
             return StreamingResponse(self._events(job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _answer(self._whole(job, request))
 
-    def _job(self, service: ChatService, chat: ChatRequest) -> Job:
-        """Check the request against the engine: the model id, the conversation and how long an answer fits."""
-        if chat.model not in self.models:
-            raise ApiError(404, f"model {chat.model!r} is not served here; choose one of {', '.join(self.models)}",
+    def _job(self, service: ChatService, endpoint: Endpoint, asked: SamplingRequest) -> Job:
+        """Check the request against the engine: the model id, the prompt and how long an answer fits."""
+        if asked.model not in self.models:
+            raise ApiError(404, f"model {asked.model!r} is not served here; choose one of {', '.join(self.models)}",
                            param="model", code="model_not_found")
         try:
-            ids = service.engine.encode_chat([m.chat() for m in chat.messages])
+            ids = endpoint.encode(service.engine, asked)
         except ValueError as err:
-            raise ApiError(400, str(err), param="messages", code="invalid_value") from None
-        room = service.engine.max_context - len(ids)
-        if chat.limit is not None and chat.limit > self.max_new_tokens:
-            field = "max_completion_tokens" if chat.max_completion_tokens else "max_tokens"
-            raise ApiError(400, f"{field} is at most {self.max_new_tokens} on this server (--max-new-tokens), "
-                           f"got {chat.limit}", param=field, code="invalid_value")
-        if room < (chat.limit or 1):
-            asked = f" and the answer may take {chat.limit} more" if chat.limit else ""
-            raise ApiError(400, f"the conversation is {len(ids)} tokens long{asked}: over this model's context of "
-                           f"{service.engine.max_context} tokens", param="messages", code="context_length_exceeded")
+            raise ApiError(400, str(err), param=endpoint.field, code="invalid_value") from None
+        room = self._room(service.engine, ids, endpoint)
         params = self.defaults.with_options(
-            method=self.models[chat.model], max_new_tokens=chat.limit or min(self.max_new_tokens, room),
-            temperature=chat.temperature, top_p=chat.top_p, top_k=chat.top_k, seed=chat.seed,
+            method=self.models[asked.model], max_new_tokens=min(asked.limit or room, self.max_new_tokens or room, room),
+            temperature=asked.temperature, top_p=asked.top_p, top_k=asked.top_k, seed=asked.seed,
         )
-        return Job(chat.model, ids, params, chat.stop, chat.stream_options.include_usage)
+        return Job(asked.model, ids, params, asked.stop, asked.stream_options.include_usage, endpoint.answer)
+
+    @staticmethod
+    def _room(engine: Engine, ids: list[int], endpoint: Endpoint) -> int:
+        """How many tokens an answer may take: what the context holds after the prompt. A longer max_tokens is cut
+        there (finish_reason "length"); only a prompt that leaves no room at all is refused."""
+        room = engine.max_context - len(ids)
+        if room < 1:
+            raise ApiError(400, f"the {endpoint.noun} is {len(ids)} tokens long: this model's context of "
+                           f"{engine.max_context} tokens leaves no room for an answer", param=endpoint.field,
+                           code="context_length_exceeded")
+        return room
 
     async def _rounds(self, job: Job, reply: Reply, request: Request | None = None) -> AsyncIterator[str]:
         """Decode `job`, yielding the text each round releases; stops the engine at a stop string, or when the
@@ -254,18 +300,19 @@ class Api:
         reply = Reply(job)
         async for _ in self._rounds(job, reply, request):
             pass
-        completion = Completion(job.model)
+        completion = job.answer(job.model)
         return completion.whole(reply.text, reply.finish_reason or "length", self._usage(job, reply),
                                 eagle=reply.figures())
 
     async def _events(self, job: Job) -> AsyncIterator[str]:
-        completion, reply = Completion(job.model), Reply(job)
-        yield event(completion.chunk({"role": "assistant", "content": ""}))
+        completion, reply = job.answer(job.model), Reply(job)
+        for chunk in completion.opening():
+            yield event(chunk)
         try:
             async for text in self._rounds(job, reply):
                 if text:
-                    yield event(completion.chunk({"content": text}))
-            yield event(completion.chunk({}, reply.finish_reason or "length", eagle=reply.figures()))
+                    yield event(completion.piece(text))
+            yield event(completion.closing(reply.finish_reason or "length", eagle=reply.figures()))
             if job.include_usage:
                 yield event(completion.usage_chunk(self._usage(job, reply)))
         except Exception as err:  # the status line has gone out: the client hears of a failure in the stream

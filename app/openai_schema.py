@@ -1,4 +1,5 @@
-"""The OpenAI chat-completions protocol's shapes: the request this server accepts, and the JSON it answers with.
+"""The OpenAI protocol's shapes for chat completions and (legacy) text completions: the requests this server accepts,
+and the JSON it answers with.
 
 A field the engine cannot honour is refused by name rather than ignored, so a client never gets an answer that
 quietly differs from what it asked for. No engine and no web framework here: app/api.py joins the two.
@@ -8,16 +9,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_STOPS = 4  # the protocol's limit on stop strings
 # Protocol fields the engine cannot honour: refused unless they hold their neutral value.
-UNSUPPORTED = (
-    "tools", "functions", "logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty",
-    "response_format", "audio", "prediction", "modalities",
+_SAMPLING_UNSUPPORTED = ("logprobs", "logit_bias", "presence_penalty", "frequency_penalty")
+UNSUPPORTED = _SAMPLING_UNSUPPORTED + (
+    "tools", "functions", "top_logprobs", "response_format", "audio", "prediction", "modalities",
 )
+COMPLETION_UNSUPPORTED = _SAMPLING_UNSUPPORTED + ("echo", "suffix")
 _NEUTRAL = (None, False, 0, [], {}, {"type": "text"}, ["text"])
 # Protocol fields that describe the caller or storage, or only matter with tools: accepted and ignored.
 IGNORED = ("user", "metadata", "store", "service_tier", "tool_choice", "parallel_tool_calls")
@@ -75,14 +77,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
-    """The fields of a chat-completions request that the engine honours; null means absent, as in the protocol."""
+class SamplingRequest(BaseModel):
+    """The fields both completion requests share and the engine honours; null means absent, as in the protocol."""
 
     model_config = ConfigDict(strict=True, extra="ignore")  # every other field was screened by check_fields
+    unsupported: ClassVar[tuple[str, ...]] = _SAMPLING_UNSUPPORTED  # the protocol's fields refused unless neutral
     model: str
-    messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # not in the protocol; llama.cpp's and vLLM's servers take it too
@@ -114,6 +115,19 @@ class ChatRequest(BaseModel):
             raise ValueError(f"only n=1 is supported (one choice per request), got {n}")
         return n
 
+    @property
+    def limit(self) -> int | None:
+        """The longest answer asked for, if any."""
+        return self.max_tokens
+
+
+class ChatRequest(SamplingRequest):
+    """A chat-completions request: a conversation to answer."""
+
+    unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
     @model_validator(mode="after")
     def _one_length(self) -> ChatRequest:
         both = (self.max_tokens, self.max_completion_tokens)
@@ -123,31 +137,57 @@ class ChatRequest(BaseModel):
 
     @property
     def limit(self) -> int | None:
-        """The longest answer asked for, if any."""
         return self.max_completion_tokens or self.max_tokens
 
 
-def check_fields(body: Any) -> None:
+class CompletionRequest(SamplingRequest):
+    """A (legacy) completions request: one plain text prompt to continue."""
+
+    unsupported: ClassVar[tuple[str, ...]] = COMPLETION_UNSUPPORTED
+    prompt: str
+    best_of: int = 1
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """The protocol also takes a list of prompts, or token ids; one text prompt is what the engine answers."""
+        if not isinstance(prompt, list):
+            return prompt
+        if not all(isinstance(p, str) for p in prompt):
+            raise ValueError("token-id prompts are not supported: send the prompt as a string")
+        if len(prompt) != 1:
+            raise ValueError(f"only one prompt per request is supported, got {len(prompt)}")
+        return prompt[0]
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, best_of: int) -> int:
+        if best_of != 1:
+            raise ValueError(f"only best_of=1 is supported (one candidate per request), got {best_of}")
+        return best_of
+
+
+def check_fields(body: Any, kind: type[SamplingRequest] = ChatRequest) -> None:
     """Refuse a body that is not an object, or holds a field the engine cannot honour or this server does not know."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    known = set(ChatRequest.model_fields) | set(IGNORED)
+    known = set(kind.model_fields) | set(IGNORED)
     for name, value in body.items():
-        if name in UNSUPPORTED and value not in _NEUTRAL:
+        if name in kind.unsupported and value not in _NEUTRAL:
             raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
-        if name not in known and name not in UNSUPPORTED:
+        if name not in known and name not in kind.unsupported:
             raise ApiError(400, f"unrecognized request field {name!r}", param=name, code="unknown_parameter")
 
 
-def parse_request(raw: bytes) -> ChatRequest:
-    """The request in a body, or an ApiError that names the offending field."""
+def parse_request(raw: bytes, kind: type[SamplingRequest] = ChatRequest) -> SamplingRequest:
+    """The request of `kind` in a body, or an ApiError that names the offending field."""
     try:
         body = json.loads(raw)
     except ValueError as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}") from None
-    check_fields(body)
+    check_fields(body, kind)
     try:
-        return ChatRequest.model_validate(body)
+        return kind.model_validate(body)
     except ValidationError as err:
         first = err.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
@@ -156,29 +196,78 @@ def parse_request(raw: bytes) -> ChatRequest:
 
 
 class Completion:
-    """The id and creation time one answer's JSON objects share, and the objects themselves."""
+    """The id and creation time one answer's JSON objects share, and the objects themselves. A subclass names them
+    and says how a choice holds the text: both routes stream and finish alike."""
+
+    prefix: ClassVar[str]  # of the id
+    whole_kind: ClassVar[str]  # the "object" of the non-streaming answer
+    chunk_kind: ClassVar[str]  # the "object" of a streamed chunk
 
     def __init__(self, model: str):
-        self.id, self.model, self.created = f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time())
+        self.id, self.model, self.created = f"{self.prefix}-{uuid.uuid4().hex}", model, int(time.time())
 
     def _object(self, kind: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
+    @staticmethod
+    def _choice(content: dict, finish_reason: str | None) -> dict:
+        return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+
+    def _in_whole(self, text: str) -> dict:
+        """The whole answer's text, as its choice holds it."""
+        raise NotImplementedError
+
+    def _in_chunk(self, text: str | None) -> dict:
+        """A streamed piece of text (None: the closing chunk's), as its choice holds it."""
+        raise NotImplementedError
+
     def whole(self, text: str, finish_reason: str, usage: dict, **extra: Any) -> dict:
         """The non-streaming answer."""
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        return self._object("chat.completion", [choice], usage=usage, **extra)
+        return self._object(self.whole_kind, [self._choice(self._in_whole(text), finish_reason)], usage=usage, **extra)
 
-    def chunk(self, delta: dict, finish_reason: str | None = None, **extra: Any) -> dict:
+    def opening(self) -> list[dict]:
+        """The chunks a stream opens with, before any text."""
+        return []
+
+    def piece(self, text: str) -> dict:
         """One streamed piece of the answer."""
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return self._object("chat.completion.chunk", [choice], **extra)
+        return self._object(self.chunk_kind, [self._choice(self._in_chunk(text), None)])
+
+    def closing(self, finish_reason: str, **extra: Any) -> dict:
+        """The chunk that ends the answer's text, saying why."""
+        return self._object(self.chunk_kind, [self._choice(self._in_chunk(None), finish_reason)], **extra)
 
     def usage_chunk(self, usage: dict) -> dict:
         """The stream's last chunk when the client asked for usage (stream_options.include_usage): no choices."""
-        return self._object("chat.completion.chunk", [], usage=usage)
+        return self._object(self.chunk_kind, [], usage=usage)
+
+
+class ChatCompletion(Completion):
+    """A chat answer: the assistant's message, streamed as deltas after one that gives the role."""
+
+    prefix, whole_kind, chunk_kind = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def _in_whole(self, text: str) -> dict:
+        return {"message": {"role": "assistant", "content": text}}
+
+    def _in_chunk(self, text: str | None) -> dict:
+        return {"delta": {} if text is None else {"content": text}}
+
+    def opening(self) -> list[dict]:
+        return [self._object(self.chunk_kind, [self._choice({"delta": {"role": "assistant", "content": ""}}, None)])]
+
+
+class TextCompletion(Completion):
+    """A text completion: the continuation as plain text, streamed as objects of the same kind."""
+
+    prefix, whole_kind, chunk_kind = "cmpl", "text_completion", "text_completion"
+
+    def _in_whole(self, text: str) -> dict:
+        return {"text": text}
+
+    def _in_chunk(self, text: str | None) -> dict:
+        return {"text": text or ""}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
