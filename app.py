@@ -12,10 +12,7 @@ import os
 
 from app.zerogpu import on_gpu  # before torch: on ZeroGPU hardware `spaces` must patch CUDA first
 
-from engine import CheckpointError, DecodeParams, Engine, freeze_heap
-from engine.model.load import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS
-from engine.draft.corpus import add_corpus_argument, parse_corpus
-from engine.model.quant import KERNELS, KERNELS_HELP
+from engine import CheckpointError, Engine, LoadOptions, freeze_heap
 
 from app.api import Access, Api, model_ids, serve
 from app.chat import ChatService, EngineThread
@@ -33,29 +30,21 @@ def parse_auth(value: str) -> tuple[str, str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
-    add("--base", help="base model: hub id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    add("--head", default="default",
-        help='EAGLE head folder or hub id; "default": the shipped head of the default base; "none": plain decoding')
-    add("--device", default=DEFAULT_DEVICE, help="cpu, cuda, cuda:N, or auto (every GPU, else the CPU)")
-    add("--dtype", default="auto", choices=["auto", *DTYPES],
-        help="auto: bfloat16 on a CPU with native bf16 (exact and faster there), else float32")
-    add("--quantization", default="none", choices=list(QUANTIZATIONS),
-        help="bitsandbytes weights, for Hugging Face checkpoints")
-    add("--kernels", default="auto", choices=list(KERNELS), help=KERNELS_HELP)
-    add_corpus_argument(parser)
-    add("--max-memory", help="with --device auto or cuda:N: the most each GPU may hold, e.g. 20GiB")
+    LoadOptions.add_arguments(parser, only=("base", "head", "device", "dtype", "quantization", "kernels", "corpus",
+                                            "chat_template", "max_memory"))
     add("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     add("--port", type=int, help="port (default 7860, or the next free one)")
     add("--share", action="store_true", help="also serve through a temporary public gradio.live link")
     add("--auth", type=parse_auth, help="user:password required to open the app (recommended with --share)")
-    add("--max-new-tokens", type=int, default=DecodeParams.max_new_tokens,
-        help="longest answer a user may ask for (the settings slider's maximum)")
+    add("--max-new-tokens", type=int, default=None,
+        help="longest answer a user may ask for (default: what the model's context holds): the settings slider's "
+             "maximum, and where the API cuts a longer max_tokens")
     add("--api-key", help="key the OpenAI-compatible API at /v1 requires (Authorization: Bearer KEY); "
         "--auth's user:password is a key too")
     add("--api-only", action="store_true",
         help="serve the API alone, without the UI: up at once, answering 503 until the model is loaded")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be at least 1")
     if args.api_only and args.share:
         parser.error("--share makes a link to the UI, which --api-only does not serve")
@@ -64,13 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load_service(args: argparse.Namespace, engine_thread: EngineThread) -> ChatService:
     """The engine the arguments name, loaded on the engine thread, behind the ChatService that UI and API share."""
-    head = None if args.head.lower() == "none" else args.head
     try:
-        engine = engine_thread.call(
-            Engine.load,
-            args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
-            max_memory=args.max_memory, kernels=args.kernels, corpus=parse_corpus(args.corpus),
-        )
+        engine = engine_thread.call(Engine.from_options, LoadOptions.from_args(args))
     except (CheckpointError, ValueError, OSError, ImportError, MemoryError) as err:  # paths, sizes, devices, packages
         raise SystemExit(f"app.py: error: {err}") from None
     freeze_heap()

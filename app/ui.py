@@ -22,6 +22,9 @@ CSS = Path(__file__).resolve().parents[1] / "assets" / "app.css"
 EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples.txt"
 EMPTY_HINT = "Type a message first: an empty message is not sent."
 BUSY_HINT = "An answer is still being written: wait for it or press Stop."
+COMPLETING = ("<p><strong>This model has no chat template</strong> (or the app runs with --no-chat-template): each "
+              "message is continued as plain text, not answered as in a chat.</p>")
+ANSWER_TOKENS = 1024  # the answer length a page starts with: a real answer, well inside any context
 STOP_WAIT_S = 60  # the longest a round can take to finish after Stop, on a slow machine
 UPDATE_EVERY_S = 0.5  # page updates while an answer streams; more often costs the decoder (docs/app.md)
 # Gradio's queue looks for new events every 1 ms off Windows (every 50 ms there), and for progress every 10 ms:
@@ -62,15 +65,17 @@ class Handlers:
     so no handler depends on the order of the controls on the page.
     """
 
-    def __init__(self, service: ChatService, max_new_tokens: int):
+    def __init__(self, service: ChatService, max_new_tokens: int | None = None):
+        """max_new_tokens: the longest answer a user may ask for; None: what the model's context holds."""
         self.service = service
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens = max_new_tokens or service.engine.max_context
+        self.default_answer = min(ANSWER_TOKENS, self.max_new_tokens)
 
     def params(self, **options) -> DecodeParams:
         """The settings controls' values as DecodeParams, the answer length capped at the app's --max-new-tokens;
         EAGLE answers decode a run of PLAIN_RUN plain steps every PLAIN_EVERY rounds for the meter (app/meter.py)."""
         typed = {name: OPTION_TYPES.get(name, float)(value) for name, value in options.items()}
-        typed["max_new_tokens"] = max(1, min(typed.get("max_new_tokens", self.max_new_tokens), self.max_new_tokens))
+        typed["max_new_tokens"] = max(1, min(typed.get("max_new_tokens", self.default_answer), self.max_new_tokens))
         return APP_PARAMS.with_options(plain_every=PLAIN_EVERY, plain_run=PLAIN_RUN, **typed)
 
     # Chat tab -----------------------------------------------------------------------------------------------
@@ -295,7 +300,7 @@ def _side_panel(handlers: Handlers) -> SidePanel:
                                info=None if "eagle" in methods else "No draft head loaded: plain decoding only."),
             "temperature": gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy"),
             "top_p": gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p"),
-            "max_new_tokens": gr.Slider(1, handlers.max_new_tokens, value=handlers.max_new_tokens, step=1,
+            "max_new_tokens": gr.Slider(1, handlers.max_new_tokens, value=handlers.default_answer, step=1,
                                         label="Max new tokens", elem_id="max-new-tokens"),
             "total_tokens": gr.Slider(2, 96, value=tree.total_tokens, step=1, label="Tree size",
                                       info="tokens verified per round (root included)"),
@@ -350,8 +355,7 @@ def poll_queue_gently(demo: gr.Blocks) -> None:
     demo._queue.progress_update_sleep_when_free = QUEUE_POLL_S
 
 
-def build_demo(service: ChatService, max_new_tokens: int = DecodeParams.max_new_tokens,
-               title: str = "EAGLE chat") -> gr.Blocks:
+def build_demo(service: ChatService, max_new_tokens: int | None = None, title: str = "EAGLE chat") -> gr.Blocks:
     """The whole page. Every generation shares the concurrency group "engine": one at a time, others queue."""
     handlers = Handlers(service, max_new_tokens)
     with gr.Blocks(title=title, analytics_enabled=False) as demo:  # no calls home from a local app
@@ -359,7 +363,10 @@ def build_demo(service: ChatService, max_new_tokens: int = DecodeParams.max_new_
         gr.HTML(
             f'<div class="app-header"><h1>{title}</h1><p>Lossless speculative decoding: a small EAGLE head drafts '
             "tokens and the base model checks them all in one pass, so the text is what the base model alone would "
-            f'write. Here that is {escapeHtml(service.engine.exactness)}.</p></div>'
+            f'write. Here that is {escapeHtml(service.engine.exactness)}.</p>'
+            f'{"" if service.engine.chats else COMPLETING}'
+            f'<p class="engine-description" id="engine-description">'
+            f'{"<br>".join(map(escapeHtml, service.engine.description().lines()))}</p></div>'
         )
         with gr.Row():
             with gr.Column(scale=3):

@@ -4,31 +4,79 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .model.attention import use_wide_attention
-from .model.cache import GrowingCache
-from .draft.corpus import DEFAULT_CORPUS, CorpusIndex
-from .draft.checkpoint import DEFAULT_HEAD, load_head
-from .draft.drafter import Drafter
-from .draft.head import DraftHead
 from .decode.gate import HeadGate
 from .decode.loop import check_prompt, decode
-from .decode.round import Step
-from .model.load import DEFAULT_BASE, DEFAULT_DEVICE, auto_dtype, load_base, resolve_dtype
-from .model.packed import bf16_native, pack_linears, packable_dtypes
 from .decode.params import DecodeParams
 from .decode.prefixes import Prefix, PrefixStore
-from .model.quant import GROUPED, QuantLinear, gguf_file, quantize_linears, resolve_kernels
+from .decode.round import Step
+from .draft.checkpoint import load_head
+from .draft.corpus import CorpusIndex
+from .draft.drafter import Drafter
+from .draft.head import DraftHead
+from .model.attention import use_wide_attention
+from .model.cache import GrowingCache
+from .model.fused import why_not_fused
+from .model.gguf_tensors import gguf_tensor_types
+from .model.load import DEFAULT_BASE, load_base, resolve_dtype
+from .model.packed import bf16_native, pack_linears, packable_dtypes
+from .model.quant import GROUPED, QuantLinear, quantize_linears
 from .model.target import Target
 from .model.threads import ThreadGovernor
+from .options import LoadOptions
 
 _ROLES = ("system", "user", "assistant")
+PLAIN_TURNS = "\n\n"  # between a conversation's messages, for a model without a chat template
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the engine's models came from, as a user named them."""
+
+    base: str
+    gguf: Path | None
+    head: str | None
+
+
+@dataclass(frozen=True)
+class Description:
+    """What an engine runs, in words: which model, which tensor types, which head, on which path."""
+
+    base: str
+    architecture: str
+    tensor_types: dict[str, int]  # a GGUF base's tensors by type
+    head: str | None
+    head_kind: str | None
+    kernels: str  # "int8", "q4" or "float"
+    fused: bool  # the whole decoder in one kernel call (the fast exact path)
+    why_not_fused: str | None
+    threads: int
+    device: str
+    dtype: str
+    exact: bool  # tree rows bit-identical to one-token steps
+    chats: bool  # prompts go through the chat template; else plain text is continued
+
+    @property
+    def path(self) -> str:
+        if self.fused:
+            return f"fast exact path ({self.kernels} kernels, the decoder in one call)"
+        return f"{self.kernels} path through transformers' layers ({self.why_not_fused})"
+
+    def lines(self) -> list[str]:
+        types = ", ".join(f"{count} {kind}" for kind, count in self.tensor_types.items())
+        head = f"{self.head} ({self.head_kind}, official EAGLE layout)" if self.head else "none: plain decoding only"
+        prompts = "chat template" if self.chats else "no chat template: completes plain text"
+        return [f"base: {self.base} ({self.architecture}{'; ' + types if types else ''}; {prompts})",
+                f"head: {head}",
+                f"runs on: {self.device}, {self.dtype}, {self.threads} threads; {self.path}; "
+                f"{'tree rows bit-identical to one-token steps' if self.exact else 'lossless in distribution'}"]
 
 
 class Engine:
@@ -45,116 +93,117 @@ class Engine:
         kernels: str = "float",
         gguf: Path | None = None,
         corpus: CorpusIndex | None = None,
+        reuse_prefixes: bool = True,
+        chat_template: bool = True,
     ):
-        """pack: replace the CPU linear layers of model and head by oneDNN-packed ones (engine.model.packed) and, for a
-        model wholly on the CPU, its attention by engine.model.attention's: every row of a forward then comes out the same
-        bits whatever the batch, so verification agrees exactly with one-token decoding. Changes the model in place.
-        follow_load: for a model on the CPU, give up threads to other busy processes between steps
-        (engine.model.threads); the output does not depend on the thread count.
-        kernels="q4" or "int8": first replace the base model's float32 linear layers by engine.model.quant's grouped
-        ones (int8: on int8 activations), holding the groups of the GGUF file `gguf` where it has them, else
-        quantizing (engine.model.quant.quantize_linears); a head on such a model is quantized to Q8_0, on the same kernels.
+        """Build the engine over loaded models, in place (Engine.load reads them first).
+
+        kernels="q4" or "int8": the base model's float32 linear layers become engine.model.quant's grouped ones
+        (int8: on int8 activations), holding the groups of the GGUF file `gguf` where it has them, else quantizing;
+        a head beside them is quantized to Q8_0, on the same kernels (its rounding changes drafts, never the output).
+        pack: the CPU linear layers of model and head become oneDNN-packed ones (engine.model.packed) and a model
+        wholly on the CPU gets engine.model.attention's attention: every row of a forward then comes out the same
+        bits whatever the batch, so verification agrees exactly with one-token decoding.
+        follow_load: on the CPU, give up threads to other busy processes between steps (engine.model.threads); the
+        output does not depend on the thread count.
         corpus: the model's own replies to other prompts, in its tokenizer's ids, to draft from where the context
-        has nothing (engine.draft.corpus)."""
+        has nothing (engine.draft.corpus).
+        reuse_prefixes: a chat's next turn forwards only its new tokens where that changes no bit
+        (engine.decode.prefixes); False: every generation prefills its whole prompt.
+        chat_template: False prompts the model with plain text even where its tokenizer has a chat template."""
         self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
-        vocab = model.config.get_text_config().vocab_size
-        if corpus is not None and corpus.max_token >= vocab:
-            raise ValueError(f"the corpus holds token id {corpus.max_token}, past this model's vocabulary of "
-                             f"{vocab}: it was tokenized for another model")
-        self.corpus = corpus
-        grouped = kernels in GROUPED
-        self.quantized_layers = quantize_linears(model, gguf, int8=kernels == "int8") if grouped else 0
-        self.kernels = _kernels_of(model)
-        if self.kernels in GROUPED and head is not None:  # drafts only, so its rounding never changes the output
-            self.quantized_layers += quantize_linears(head, kind="Q8_0", int8=self.kernels == "int8")
+        self.sources = Sources("a model in memory", gguf, "a head in memory" if head is not None else None)
+        # A model chats where its tokenizer has a chat template; a base model without one completes plain text.
+        self.chats = chat_template and bool(getattr(tokenizer, "chat_template", None))
+        self.corpus = _checked_corpus(corpus, model)
+        self.quantized_layers = self._choose_kernels(kernels, gguf)
         self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
-        self.wide_attention = pack and use_wide_attention(model)
-        # Every row of a forward comes out the same bits whatever the batch: greedy EAGLE is plain decoding exactly.
-        self.batch_invariant = self.wide_attention and model.dtype in packable_dtypes()
-        if self.wide_attention and not self.batch_invariant:
+        self.batch_invariant = self._swap_attention()
+        self._build_collaborators(follow_load, reuse_prefixes)
+
+    def _choose_kernels(self, kernels: str, gguf: Path | None) -> int:
+        """Put the base model (and a head beside it) on grouped kernels if asked; returns the layers replaced."""
+        replaced = quantize_linears(self.model, gguf, int8=kernels == "int8") if kernels in GROUPED else 0
+        self.kernels = _kernels_of(self.model)
+        if self.kernels in GROUPED and self.head is not None:  # drafts only: its rounding never changes the output
+            replaced += quantize_linears(self.head, kind="Q8_0", int8=self.kernels == "int8")
+        return replaced
+
+    def _swap_attention(self) -> bool:
+        """Give a packed model on the CPU the fixed-order attention; True where every row of a forward then comes
+        out the same bits whatever the batch: greedy EAGLE is then plain decoding exactly."""
+        self.wide_attention = self.pack and use_wide_attention(self.model)
+        invariant = self.wide_attention and self.model.dtype in packable_dtypes()
+        if self.wide_attention and not invariant:
             log.warning("%s linear layers cannot be packed on this CPU, so a tree forward may round differently "
                         "from one-token decoding and greedy EAGLE may differ from plain decoding: use float32",
-                        str(model.dtype).removeprefix("torch."))
-        text_config = model.config.get_text_config()
-        self.target = Target(model, head.feature_layers(text_config.num_hidden_layers) if head else None)
-        # A chat's next turn forwards only its new tokens where reusing a cache changes no bit (engine.decode.prefixes);
-        # None: every generation prefills its whole prompt (the bench sets it so, to time prefills alike).
-        self.prefixes = PrefixStore() if self.batch_invariant else None
+                        str(self.model.dtype).removeprefix("torch."))
+        return invariant
+
+    def _build_collaborators(self, follow_load: bool, reuse_prefixes: bool) -> None:
+        """The base model as the loop sees it, kept prefixes, the head gate, the thread governor, the stop ids."""
+        layers = self.model.config.get_text_config().num_hidden_layers
+        self.target = Target(self.model, self.head.feature_layers(layers) if self.head else None)
+        # Reusing a kept cache is exact only where every row's bits are batch-invariant.
+        self.prefixes = PrefixStore() if reuse_prefixes and self.batch_invariant else None
         self._lock = threading.Lock()
         # What the head buys on this machine, measured over the rounds of every generation that asks for the gate
         # (DecodeParams.gate), so each answer starts from what the last ones measured.
         self.gate = HeadGate()
-        on_cpu = model.get_output_embeddings().weight.device.type == "cpu"
+        on_cpu = self.model.get_output_embeddings().weight.device.type == "cpu"
         self.threads = ThreadGovernor() if follow_load and on_cpu else None
-        eos = model.generation_config.eos_token_id if model.generation_config else None
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if tokenizer.eos_token_id is not None:
-            eos.append(tokenizer.eos_token_id)
-        self.stop_ids = tuple(sorted(set(eos)))
+        self.stop_ids = _stop_ids(self.model, self.tokenizer)
 
     @classmethod
-    def load(
-        cls,
-        base: str | None = None,
-        head: str | Path | None = "default",
-        *,
-        device: str = DEFAULT_DEVICE,
-        dtype: str = "auto",
-        head_dtype: str | None = None,
-        quantization: str = "none",
-        attn: str = "sdpa",
-        max_memory: str | None = None,
-        pack: bool = True,
-        follow_load: bool = True,
-        kernels: str = "auto",
-        corpus: str | list[str | Path] | None = "default",
-    ) -> "Engine":
-        """Load a base model and a head. head="default" is the shipped head for the embedded base, none otherwise;
-        corpus="default" the self-distilled replies in data/selfdistill for the embedded base, none otherwise (else
-        a list of record files: engine.draft.corpus, engine.draft.records).
+    def load(cls, base: str | None = None, head: str | Path | None = "default", **options) -> "Engine":
+        """Load a base model and a head: Engine.from_options(LoadOptions(base, head, **options)); see
+        engine.options.LoadOptions for every option, its default and what it means."""
+        return cls.from_options(LoadOptions(base=base, head=head, **options))
 
-        dtype "auto" is bfloat16 where the engine is exact and faster in it (see _auto_dtype), float32 elsewhere;
-        quantization, attn and max_memory (a per-GPU cap for device="auto") are explained in engine.model.load;
-        pack packs the linear layers that run on the CPU for oneDNN (engine.model.packed) and gives a model wholly on the
-        CPU engine.model.attention's attention (whatever attn says), changing the model in place. follow_load: see __init__.
-        head_dtype None: the base model's dtype, except bfloat16 for a packed head on a CPU with native bf16 beside
-        float kernels (beside q4 or int8 it stays float32, for the Q8_0 kernels); the
-        head's precision never changes the output (verification decides), only how fast and how well it drafts.
-        kernels "auto" | "float" | "q4" | "int8": which CPU linear layers the base model runs
-        (engine.model.quant.resolve_kernels); q4 and int8 run in float32, and it is that model that plain decoding and
-        EAGLE both decode.
-        """
-        embedded = base in (None, "", DEFAULT_BASE)
-        if head == "default":
-            head = DEFAULT_HEAD if embedded and DEFAULT_HEAD.exists() else None
-        if corpus == "default":
-            corpus = DEFAULT_CORPUS if embedded else None
-        if head and attn == "flash_attention_2":
-            raise ValueError("flash_attention_2 cannot apply the tree mask that EAGLE verification needs: "
-                             "use attn='sdpa' with a draft head (flash_attention_2 serves plain decoding only)")
-        replies = CorpusIndex.from_files(corpus) if corpus else None  # a wrong file fails before the model loads
-        gguf = gguf_file(base)
-        kernels = resolve_kernels(kernels, device, dtype, pack, quantization, gguf)
-        if dtype == "auto":
-            dtype = "float32" if kernels in GROUPED else auto_dtype(device, quantization, pack)
-        model, tokenizer = load_base(
-            base, dtype=dtype, device=device, attn_implementation=attn, quantization=quantization, max_memory=max_memory
-        )
-        draft = _load_head(head, model, head_dtype, pack, kernels) if head else None
-        return cls(model, tokenizer, draft, pack=pack, follow_load=follow_load, kernels=kernels, gguf=gguf,
-                   corpus=replies)
+    @classmethod
+    def from_options(cls, options: LoadOptions) -> "Engine":
+        """Resolve the options, read the corpus (a wrong file fails before the model loads), load the base model's
+        weights, attach the head, and build the engine over them."""
+        options = options.resolved()
+        corpus = CorpusIndex.from_files(list(options.corpus)) if options.corpus else None
+        model, tokenizer = load_base(options.base, dtype=options.dtype, device=options.device,
+                                     attn_implementation=options.attn, quantization=options.quantization,
+                                     max_memory=options.max_memory)
+        head = _load_head(options.head, model, options.head_dtype, options.pack, options.kernels) if options.head \
+            else None
+        engine = cls(model, tokenizer, head, pack=options.pack, follow_load=options.follow_load,
+                     kernels=options.kernels, gguf=options.gguf, corpus=corpus, reuse_prefixes=options.reuse_prefixes,
+                     chat_template=options.chat_template)
+        engine.sources = Sources(options.base or f"{DEFAULT_BASE} (embedded: {options.gguf})", options.gguf,
+                                 str(options.head) if options.head else None)
+        for line in engine.description().lines():
+            log.info(line)
+        return engine
 
     def with_head(self, head: str | Path, head_dtype: str | None = None) -> "Engine":
         """Another engine on this one's base model (shared, not copied) that drafts with another head: for comparing
         heads side by side. The two share one lock, as they share the model: one generation at a time."""
         other = Engine(self.model, self.tokenizer, _load_head(head, self.model, head_dtype, self.pack, self.kernels),
-                       pack=self.pack, corpus=self.corpus)
+                       pack=self.pack, corpus=self.corpus, reuse_prefixes=self.prefixes is not None,
+                       chat_template=self.chats)
         other._lock, other.threads = self._lock, self.threads
         return other
 
     @property
     def max_context(self) -> int:
         return self.target.max_context
+
+    def description(self) -> Description:
+        """What runs: for the log at load and the app's status line."""
+        config = self.model.config.get_text_config()
+        return Description(
+            base=self.sources.base, architecture=config.model_type,
+            tensor_types=gguf_tensor_types(self.sources.gguf) if self.sources.gguf else {},
+            head=self.sources.head, head_kind=self.head.kind if self.head is not None else None,
+            kernels=self.kernels, fused=self.target.fused is not None,
+            why_not_fused=None if self.target.fused is not None else why_not_fused(self.model),
+            threads=torch.get_num_threads(), device=str(self.target.device), dtype=str(self.model.dtype).split(".")[-1],
+            exact=self.batch_invariant, chats=self.chats)
 
     @property
     def exactness(self) -> str:
@@ -173,7 +222,8 @@ class Engine:
             return self.target.logits(hidden[-1])
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation in the model's chat template, ready for the assistant's reply."""
+        """Token ids of a conversation in the model's chat template, ready for the assistant's reply; for a model that
+        does not chat (Engine.chats), its messages as one plain text to continue."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("the conversation is empty: give at least one user message")
         for i, message in enumerate(messages):
@@ -185,10 +235,22 @@ class Engine:
             raise ValueError("the last message must come from the user")
         if not messages[-1]["content"].strip():
             raise ValueError("the last user message is empty")
+        if not self.chats:
+            return self.encode_text(PLAIN_TURNS.join(m["content"] for m in messages))
         ids = self.tokenizer.apply_chat_template(
             [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=True, tokenize=True
         )
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of plain text for the model to continue (with the tokenizer's own start token, if it adds one)."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("the prompt is empty")
+        return list(self.tokenizer(text)["input_ids"])
+
+    def complete(self, text: str, params: DecodeParams | None = None, **options) -> Iterator[Step]:
+        """Continue plain text, whether or not the model has a chat template."""
+        return self.generate(self.encode_text(text), params, **options)
 
     def generate(self, prompt_ids: list[int], params: DecodeParams | None = None, **options) -> Iterator[Step]:
         """Stream Steps for prompt_ids. `options` change `params` (default DecodeParams()) as
@@ -245,6 +307,23 @@ def oldest_turns_dropped(messages: list[dict]) -> Iterator[tuple[list[dict], int
         yield messages[:system] + messages[system + dropped:], dropped
 
 
+def _checked_corpus(corpus: CorpusIndex | None, model: PreTrainedModel) -> CorpusIndex | None:
+    vocab = model.config.get_text_config().vocab_size
+    if corpus is not None and corpus.max_token >= vocab:
+        raise ValueError(f"the corpus holds token id {corpus.max_token}, past this model's vocabulary of "
+                         f"{vocab}: it was tokenized for another model")
+    return corpus
+
+
+def _stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Every token that ends an answer: the generation config's end tokens and the tokenizer's."""
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(eos)))
+
+
 def _kernels_of(model: PreTrainedModel) -> str:
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     return "float" if not layers else "int8" if layers[0].int8 else "q4"
@@ -265,7 +344,7 @@ def freeze_heap() -> None:
 def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None, pack: bool, kernels: str) -> DraftHead:
     """Load a head for `model`; head_dtype None means bfloat16 for a packed head on a CPU with native bf16 beside
     float kernels, else the base model's dtype: beside q4 or int8 that is float32, which Engine quantizes to Q8_0 and
-    drafts with in one kernel call per layer (engine.draft.fused.FusedEagle3), ~2x faster than the bf16 head's modules."""
+    drafts with in one kernel call per layer (engine.draft.fused.FusedEagle3), without Python between its ops."""
     on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
     if head_dtype is None and pack and on_cpu and bf16_native() and kernels not in GROUPED:
         head_dtype = "bfloat16"

@@ -11,7 +11,7 @@ import torch
 from app.chat import ChatService
 from app.conversation import Conversation
 from app.meter import SETTLING, TurnMeter
-from app.ui import EMPTY_HINT, Handlers
+from app.ui import ANSWER_TOKENS, EMPTY_HINT, Handlers
 from conftest import random_head, tiny_base, tokens_of
 from engine import ContextTooLong, DecodeParams, Engine
 from engine.model.load import load_tokenizer
@@ -52,6 +52,15 @@ def test_the_settings_reach_the_decode_parameters(handlers):
     assert params.gated and not handlers.params(**settings(gate=False)).gate
     assert handlers.params(**settings(method="suffix")).method == "suffix"
     assert handlers.service.methods == ("eagle", "suffix", "vanilla")
+
+
+def test_the_answer_limit_follows_the_models_context(service, handlers):
+    """Without --max-new-tokens an answer may run as long as the context holds; with it, no longer than that."""
+    unbounded = Handlers(service)
+    assert unbounded.max_new_tokens == CONTEXT and unbounded.default_answer == min(ANSWER_TOKENS, CONTEXT)
+    assert unbounded.params(**settings(max_new_tokens=10**6)).max_new_tokens == CONTEXT
+    assert handlers.params(**settings(max_new_tokens=10**6)).max_new_tokens == 64
+    assert handlers.params(**settings(max_new_tokens=0)).max_new_tokens == 1
 
 
 def ask(handlers: Handlers, conversation: Conversation, text: str, **changes) -> list[tuple]:

@@ -26,7 +26,7 @@ def test_defaults_leave_host_and_port_to_gradio_and_spaces(main_module):
     assert (args.base, args.head, args.device, args.host, args.port, args.share, args.auth) == (
         None, "default", "auto", None, None, False, None
     )
-    assert args.max_new_tokens == 256 and args.quantization == "none"
+    assert args.max_new_tokens is None and args.quantization == "none"  # None: as long as the context holds
 
 
 def test_options(main_module):
@@ -53,7 +53,7 @@ def test_a_load_error_stops_the_app_with_one_clear_line(main_module, monkeypatch
     def refuse(*args, **kwargs):
         raise main_module.CheckpointError("head /x does not fit base model y")
 
-    monkeypatch.setattr(main_module.Engine, "load", refuse)
+    monkeypatch.setattr(main_module.Engine, "from_options", refuse)
     with pytest.raises(SystemExit, match=r"^app.py: error: head /x does not fit base model y$"):
         main_module.main(["--head", "/x"])
 
@@ -74,7 +74,7 @@ def test_the_loaded_engine_is_out_of_the_collectors_sight(main_module, monkeypat
     from tests.conftest import IdsOnlyTokenizer, tiny_base
 
     engine = main_module.Engine(tiny_base("llama-h64-l8-gqa"), IdsOnlyTokenizer())
-    monkeypatch.setattr(main_module.Engine, "load", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(main_module.Engine, "from_options", lambda *args, **kwargs: engine)
     try:
         service = main_module.load_service(main_module.parse_args([]), EngineThread())
         walked = {id(o) for o in gc.get_objects()}

@@ -11,7 +11,8 @@ from conftest import IdsOnlyTokenizer, sample_through_copied_drafts, tiny_base, 
 from engine import DecodeParams, Engine
 from engine.draft import corpus as corpus_module
 from engine.draft.context import ContextDraft
-from engine.draft.corpus import DEPTH, VOTERS, CorpusIndex, parse_corpus
+from engine.draft.corpus import DEPTH, VOTERS, CorpusIndex
+from engine.options import parse_corpus
 from engine.draft.records import save_records
 from engine.decode.accept import Sampling
 from oracles import ALPHA, drafted_frequency_pvalue, uniformity_pvalue
@@ -144,7 +145,7 @@ def test_an_unwritable_cache_still_gives_the_index(tmp_path, monkeypatch, caplog
 
 def test_corpus_options_and_a_corpus_for_another_vocabulary():
     assert parse_corpus(["default"]) == "default" and parse_corpus(["none"]) is None
-    assert parse_corpus(["a.npz", "b.npz"]) == ["a.npz", "b.npz"]
+    assert parse_corpus(["a.npz", "b.npz"]) == ("a.npz", "b.npz")
     with pytest.raises(ValueError, match="not a mix"):
         parse_corpus(["default", "a.npz"])
     model = tiny_base("qwen2-h32-l10-tied")

@@ -25,8 +25,7 @@ def _forwarded(engine, monkeypatch) -> list[int]:
                          ids=["vanilla", "eagle", "eagle-sampled"])
 def test_a_next_turn_forwards_only_its_new_tokens_and_decodes_as_a_fresh_prefill(options, prompt, monkeypatch):
     engine = tiny_engine("llama-h64-l8-gqa", "eagle3", pack=True)
-    fresh = tiny_engine("llama-h64-l8-gqa", "eagle3", pack=True)
-    fresh.prefixes = None
+    fresh = tiny_engine("llama-h64-l8-gqa", "eagle3", pack=True, reuse_prefixes=False)
     first = tokens_of(engine.generate(prompt, max_new_tokens=12, **options))
     assert first == tokens_of(fresh.generate(prompt, max_new_tokens=12, **options))
     second_prompt = prompt + first + [3, 1, 4]
@@ -39,8 +38,7 @@ def test_a_next_turn_forwards_only_its_new_tokens_and_decodes_as_a_fresh_prefill
 
 def test_a_stream_closed_early_leaves_what_it_yielded(prompt, monkeypatch):
     engine = tiny_engine("llama-h64-l8-gqa", "eagle3", pack=True)
-    fresh = tiny_engine("llama-h64-l8-gqa", "eagle3", pack=True)
-    fresh.prefixes = None
+    fresh = tiny_engine("llama-h64-l8-gqa", "eagle3", pack=True, reuse_prefixes=False)
     stream, yielded = engine.generate(prompt, max_new_tokens=30, **BRANCHING), []
     for step in stream:
         yielded += step.tokens

@@ -56,6 +56,16 @@ def test_default_engine_has_the_shipped_eagle3_head(engine):
             assert engine.kernels == "float" and engine.packed_layers > 0
 
 
+def test_the_engine_says_what_runs(engine, engine_fp32):
+    """The log at load and the app's header name the base, its tensor types, the head and the kernel path."""
+    base, head, runs = engine.description().lines()
+    assert "smollm2" in base and "(llama; " in base and "Q4_1" in base
+    assert str(DEFAULT_HEAD) in head and "eagle3" in head
+    assert ("fast exact path" in runs) == (engine.target.fused is not None)
+    if engine_fp32.target.fused is None:
+        assert "through transformers' layers (" in engine_fp32.description().lines()[2]
+
+
 def test_vanilla_equals_transformers_generate(engine_fp32):
     """Against the model as transformers runs it, in float32: packed layers and wide attention change no token."""
     engine = engine_fp32
@@ -90,11 +100,8 @@ def test_a_chat_turn_reuses_the_last_turns_cache_and_answers_as_a_fresh_prefill(
     ids = engine.encode_chat(chat)
     assert engine.prefixes.entries[-1].usable(ids, with_head=True) > len(ids) * 3 // 4
     reused = tokens_of(engine.generate(ids, max_new_tokens=40))
-    store, engine.prefixes = engine.prefixes, None
-    try:
-        assert reused == tokens_of(engine.generate(ids, max_new_tokens=40))
-    finally:
-        engine.prefixes = store
+    engine.prefixes.entries.clear()  # nothing kept: a full prefill
+    assert reused == tokens_of(engine.generate(ids, max_new_tokens=40))
 
 
 def test_eagle_greedy_equals_vanilla_in_float32(engine_fp32):

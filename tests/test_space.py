@@ -22,7 +22,7 @@ def test_the_default_base_comes_from_the_hub_without_the_package(without_llm_smo
         asked.update(repo=repo, filename=filename, **kwargs)
         raise OSError("offline")  # this machine cannot download: what matters is what was asked for
 
-    monkeypatch.setattr(models, "hf_hub_download", download)
+    monkeypatch.setattr(loading, "hf_hub_download", download)
     for load in loading.load_model, loading.load_tokenizer:
         asked.clear()
         with pytest.raises(OSError, match="offline"):

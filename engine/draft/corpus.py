@@ -11,7 +11,6 @@ output never changes (docs/decoding.md, "Drafting from the model's own replies")
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import hashlib
 import logging
@@ -31,23 +30,6 @@ VOTERS = 256  # occurrences of a match that vote on its continuation, evenly spr
 DEFAULT_CORPUS = sorted((Path(__file__).resolve().parents[2] / "data" / "selfdistill").glob("*.npz"))
 _BEFORE_START = -(1 << 40)  # below every token and separator: what precedes the stream's first token
 log = logging.getLogger(__name__)
-
-
-def add_corpus_argument(parser: argparse.ArgumentParser) -> None:
-    """--corpus, as app.py, the bench and tune_tree take it (parse_corpus turns it into Engine.load's corpus)."""
-    parser.add_argument("--corpus", nargs="+", default=["default"], metavar="CORPUS",
-                        help='replies of the base model to draft from where the context has nothing: "default" = '
-                             'data/selfdistill for the embedded base (none for another), "none", or training-record '
-                             '.npz files (engine.train export)')
-
-
-def parse_corpus(values: list[str]) -> str | list[str] | None:
-    """--corpus's values as Engine.load takes them: "default", None for "none", else the files."""
-    if values in (["default"], ["none"]):
-        return None if values == ["none"] else "default"
-    if "default" in values or "none" in values:
-        raise ValueError('--corpus takes "default", "none" or files, not a mix')
-    return values
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -94,8 +96,20 @@ def read_tensors(path: Path) -> tuple[str, list[TensorBlocks]]:
 
 def _blocks(data: mmap.mmap, start: int, name: str, shape: tuple[int, ...], kind: int, offset: int) -> TensorBlocks:
     if kind not in BLOCK_TYPES:
-        return TensorBlocks(name, f"type {kind}", shape, None)
+        return TensorBlocks(name, _type_name(kind), shape, None)
     label = BLOCK_TYPES[kind]
     rows, row_bytes = int(np.prod(shape[1:])), shape[0] // 32 * BLOCK_BYTES[label]
     blocks = np.frombuffer(data, dtype=np.uint8, count=rows * row_bytes, offset=start + offset)
     return TensorBlocks(name, label, shape, blocks.reshape(rows, row_bytes))
+
+
+def gguf_tensor_types(path: Path) -> dict[str, int]:
+    """How many tensors of each type a GGUF file holds, most common first: what a user's file is made of."""
+    return dict(Counter(tensor.kind for tensor in read_tensors(path)[1]).most_common())
+
+
+def _type_name(kind: int) -> str:
+    try:
+        return GGMLQuantizationType(kind).name
+    except ValueError:
+        return f"type {kind}"

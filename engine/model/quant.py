@@ -31,8 +31,8 @@ KERNELS = ("auto", "float", "q4", "int8")
 GROUPED = ("q4", "int8")  # the kernels that keep a GGUF's groups (engine/model/kernels)
 KERNELS_HELP = ("the CPU linear layers: float = oneDNN-packed float weights; q4 = a GGUF's 4-bit groups as they are, "
                 "times float32 activations; int8 = the same groups times activations rounded to 8 bits per group of "
-                "32, integer products as llama.cpp computes them (another rounding of the model, ~2x faster matmuls; "
-                "see README); auto = int8 for a GGUF base on the CPU in float32 or dtype auto, else float")
+                "32, integer products as llama.cpp computes them (another rounding of the model, the fastest; "
+                "docs/models.md); auto = int8 for a GGUF base on the CPU in float32 or dtype auto, else float")
 log = logging.getLogger(__name__)
 
 

@@ -63,7 +63,8 @@ def _question(line: str, where: str) -> dict:
 
 
 def first_turn_prompts(engine: Engine, questions: list[dict]) -> list[list[int]]:
-    """Each question's first turn through the chat template; a prompt that leaves no room is an error."""
+    """Each question's first turn through the chat template (as plain text for a model without one); a prompt that
+    leaves no room is an error."""
     prompts = []
     for q in questions:
         try:

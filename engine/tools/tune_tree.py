@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from ..draft.context import ContextDraft
-from ..draft.corpus import add_corpus_argument, parse_corpus
-from ..engine import Engine
 from ..decode.params import DecodeParams
-from .progress import progress_bar
-from ..model.quant import KERNELS, KERNELS_HELP
+from ..draft.context import ContextDraft
 from ..draft.tree import DynamicTree
+from ..engine import Engine
+from ..options import LoadOptions
 from .bench import parse_sizes
+from .progress import progress_bar
 from .report import summarize
 from .runs import SHARED_QUESTIONS, first_turn_prompts, load_questions, run_engine
 
@@ -26,10 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--questions", default=SHARED_QUESTIONS)
     parser.add_argument("--limit", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--base", default=None)
-    parser.add_argument("--head", default="default")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kernels", default="auto", choices=list(KERNELS), help=KERNELS_HELP)
+    LoadOptions.add_arguments(parser, only=("base", "head", "dtype", "kernels", "corpus"))
     parser.add_argument("--total-tokens", default="8,12,16,24,32", help="comma-separated values to try")
     parser.add_argument("--depth", default="3,4,5,6")
     parser.add_argument("--draft-top-k", default="4,8")
@@ -38,7 +34,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated values to try: the shortest match of the context that drafts a chain")
     parser.add_argument("--methods", default="eagle",
                         help="eagle (the tree grid above) and/or suffix (the context alone: one tree-less setting)")
-    add_corpus_argument(parser)
     parser.add_argument("--corpus-share", default=str(ContextDraft.corpus_share),
                         help="comma-separated values to try: the share of the replies sharing the text's end that must "
                              "agree on a token for the corpus to draft it (engine/draft/corpus.py); 'off': no corpus")
@@ -71,9 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     if not set(methods) <= {"eagle", "suffix"}:
         raise SystemExit(f"--methods: eagle and/or suffix, got {args.methods}")
     contexts = context_grid(args.min_match, args.corpus_share, args.corpus_max_tokens)
-    engine = Engine.load(args.base, args.head, dtype=args.dtype, kernels=args.kernels,
-                         corpus=parse_corpus(args.corpus))
-    engine.prefixes = None  # every setting prefills each prompt in full, as the first one did
+    # Every setting prefills each prompt in full, as the first one did.
+    engine = Engine.from_options(LoadOptions.from_args(args, reuse_prefixes=False))
     questions = load_questions(args.questions, args.limit)
     prompts, categories = first_turn_prompts(engine, questions), [q["category"] for q in questions]
     plain = DecodeParams(method="vanilla", max_new_tokens=args.max_new_tokens)
