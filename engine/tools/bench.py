@@ -17,6 +17,10 @@ Methods:
            the same prompt ids, greedy, with the engine's thread count: the runner a CPU user would pick. Its own
            decode-only tokens/s is printed under the table; its tokens are compared with vanilla's as a report (its
            Q4_1 kernels round differently)
+  llama.cpp-eagle3  (only when named in --methods) llama.cpp's own EAGLE-3 speculative decoding with the draft head,
+           exported once to llama.cpp's GGUF layout (engine/draft/export_gguf.py, cached), drafting
+           --llamacpp-draft-max tokens a round: llama.cpp's acceptance (accepted / drafted tokens) is printed under
+           the table, and its greedy tokens are held to plain llama.cpp's
   NAME     with --compare-head NAME=HEAD: the engine drafting with another head (say an EAGLE-1 head beside the
            shipped EAGLE-3 one), on the same base model in the same run
 
@@ -63,13 +67,16 @@ from ..draft.tree import TREES, DynamicTree
 from ..draft.corpus import add_corpus_argument, parse_corpus
 from ..model.quant import GROUPED, KERNELS, KERNELS_HELP, gguf_file
 from .costs import verification_curve
-from .llamacpp import LlamaCpp, decode_tokens_per_s
+from ..draft.export_gguf import cached_export
+from ..model.gguf_cache import cache_root
+from .llamacpp import EAGLE3_METHOD, Eagle3Draft, LlamaCpp, decode_tokens_per_s, eagle3_notes, eagle3_summary
 from .report import add_speedups, exactness_warnings, plot, print_table, summarize
 from .runs import SHARED_QUESTIONS, Run, first_turn_prompts, load_questions, run_engine, run_hf
 
 GATED = "eagle-gated"
 METHODS = (*ENGINE_METHODS, GATED, "hf", "hf-pld")
-PEERS = ("llama.cpp",)  # other runners, from optional packages (requirements-bench.txt): only when asked for
+# other runners, from optional packages (requirements-bench.txt): only when asked for
+PEERS = ("llama.cpp", EAGLE3_METHOD)
 WARMUP_TOKENS = 8
 
 
@@ -133,12 +140,12 @@ def engine_options(method: str) -> dict:
 
 
 def run_method(engines: dict[str, Engine], hf_model: PreTrainedModel, method: str, prompt: list[int],
-               params: DecodeParams, llama: LlamaCpp | None = None) -> Run:
+               params: DecodeParams, llama: dict[str, LlamaCpp] | None = None) -> Run:
     """engines: the main engine under each engine method's name, and one per --compare-head name."""
     if method in engines:
         return run_engine(engines[method], prompt, params.with_options(**engine_options(method)))
-    if method == "llama.cpp":
-        return llama.run(prompt, params)
+    if method in PEERS:
+        return llama[method].run(prompt, params)
     return run_hf(engines["vanilla"], hf_model, prompt, params, lookup=method == "hf-pld")
 
 
@@ -164,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the engine with this head, as method NAME (repeatable)")
     add("--dtype", default="auto", choices=["auto", *DTYPES],
         help="dtype of the base model; auto: bfloat16 on a CPU with native bf16, else float32")
+    add("--llamacpp-draft-max", type=int, default=1, metavar="N",
+        help=f"tokens {EAGLE3_METHOD} drafts a round (llama.cpp's speculative n_max)")
     add("--hf-dtype", choices=list(DTYPES),
         help="dtype for hf and hf-pld (default: the engine's; beside the q4 kernels, bfloat16 on a CPU with native "
              "bf16, else float32)")
@@ -253,16 +262,38 @@ def hf_model_for(args: argparse.Namespace, engine: Engine, methods: list[str]) -
 
 
 def llama_cpp_for(args: argparse.Namespace, engine: Engine, methods: list[str],
-                  prompts: list[list[int]]) -> LlamaCpp | None:
-    """llama.cpp on the base model's GGUF file when method llama.cpp runs, with the engine's thread count."""
-    if "llama.cpp" not in methods:
-        return None
+                  prompts: list[list[int]]) -> dict[str, LlamaCpp]:
+    """A llama.cpp server on the base model's GGUF file for each llama.cpp method that runs, with the engine's
+    thread count."""
+    peers = [method for method in PEERS if method in methods]
+    if not peers:
+        return {}
     path = gguf_file(args.base)
     if path is None:
-        raise ValueError("method llama.cpp runs a GGUF file: pass --base FILE.gguf, or leave --base unset for the "
+        raise ValueError(f"method {peers[0]} runs a GGUF file: pass --base FILE.gguf, or leave --base unset for the "
                          "embedded model")
     context = max(map(len, prompts)) + args.max_new_tokens
-    return LlamaCpp(path, threads=torch.get_num_threads(), context=context, stop_ids=engine.stop_ids)
+    servers: dict[str, LlamaCpp] = {}
+    try:
+        for method in peers:
+            draft = eagle3_draft_for(args, engine, path) if method == EAGLE3_METHOD else None
+            servers[method] = LlamaCpp(path, threads=torch.get_num_threads(), context=context,
+                                       stop_ids=engine.stop_ids, draft=draft)
+    except BaseException:
+        for server in servers.values():
+            server.close()
+        raise
+    return servers
+
+
+def eagle3_draft_for(args: argparse.Namespace, engine: Engine, target: Path) -> Eagle3Draft:
+    """The engine's head as llama.cpp's EAGLE-3 draft: exported at the first run, then taken from the cache."""
+    if engine.head is None or engine.head.kind != "eagle3":
+        raise ValueError(f"method {EAGLE3_METHOD} needs an EAGLE-3 head: pass --head FOLDER")
+    if args.llamacpp_draft_max < 1:
+        raise ValueError(f"--llamacpp-draft-max must be at least 1, got {args.llamacpp_draft_max}")
+    head = DEFAULT_HEAD if args.head == "default" else args.head
+    return Eagle3Draft(cached_export(head, target, cache_root()), n_max=args.llamacpp_draft_max)
 
 
 def hf_dtype_for(args: argparse.Namespace, engine: Engine) -> str:
@@ -278,7 +309,7 @@ def _dtype_name(engine: Engine) -> str:
 
 
 def run_all(engines: dict[str, Engine], hf_model: PreTrainedModel, setup: Setup,
-            prompts: list[list[int]], llama: LlamaCpp | None = None) -> dict[str, list[Run]]:
+            prompts: list[list[int]], llama: dict[str, LlamaCpp] | None = None) -> dict[str, list[Run]]:
     """Every method on every prompt, after one short warm-up each; the order rotates per question."""
     methods, params = setup.methods, setup.params
     warmup = params.with_options(max_new_tokens=min(WARMUP_TOKENS, params.max_new_tokens))
@@ -301,6 +332,9 @@ def build_report(args: argparse.Namespace, setup: Setup, engine: Engine, prompts
     add_speedups(summary)
     if "llama.cpp" in summary:
         summary["llama.cpp"]["decode_tokens_per_s"] = decode_tokens_per_s(runs["llama.cpp"])
+    if EAGLE3_METHOD in summary:
+        summary[EAGLE3_METHOD].update(eagle3_summary(runs[EAGLE3_METHOD], runs.get("llama.cpp"),
+                                                     args.llamacpp_draft_max))
     hf_methods = {"hf", "hf-pld"} & set(methods)
     config = {
         "base": args.base or "embedded SmolLM2-135M-Instruct",
@@ -336,6 +370,8 @@ def print_report(report: dict) -> None:
         print(f"note: llama.cpp decodes at {peer['decode_tokens_per_s']:.2f} tok/s by its own clock (prefill "
               f"excluded); its greedy tokens equal vanilla's on {peer['matches_vanilla']}/{config['count']} questions "
               "(its Q4_1 kernels round differently: a report, not a check)")
+    if EAGLE3_METHOD in summary:
+        print("\n".join(eagle3_notes(summary[EAGLE3_METHOD], config["count"])))
     if config["temperature"] == 0:
         for line in exactness_warnings(summary, config["count"], exactness_exempt(config)):
             print(line)
@@ -346,7 +382,7 @@ def exactness_exempt(config: dict) -> set[str]:
     (beside the grouped kernels, or in bfloat16, transformers computes other numbers, so other tokens are expected)."""
     hf_methods = {"hf", "hf-pld"} & set(config["methods"])
     same_model = config["hf_dtype"] == config["dtype"] == "float32" and config.get("kernels", "float") == "float"
-    return (set() if same_model else hf_methods) | {"llama.cpp"}
+    return (set() if same_model else hf_methods) | {"llama.cpp"} | (set(PEERS) & set(config["methods"]))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -367,8 +403,8 @@ def main(argv: list[str] | None = None) -> dict:
         with busy_processes(args.busy):
             runs = run_all(engines, hf_model, setup, prompts, llama)
     finally:
-        if llama is not None:
-            llama.close()
+        for server in llama.values():
+            server.close()
     report = build_report(args, setup, engine, prompts, runs)
     print_report(report)
     if args.json_out:
