@@ -1,5 +1,6 @@
-"""Command line: `python -m engine.train {data,fit,all,export,import} ...` (`all` = data then fit, with defaults;
-`export`/`import` move data shards into and out of one compact record file, engine.draft.records)."""
+"""Command line: `python -m engine.train {data,fit,all,export,import,slice} ...` (`all` = data then fit, with defaults;
+`export`/`import` move data shards into and out of one compact record file, engine.draft.records; `slice` keeps an
+EAGLE-3 head's most frequent draft tokens)."""
 from __future__ import annotations
 
 import argparse
@@ -112,6 +113,42 @@ def run_import(args: argparse.Namespace) -> None:
     print(f"{written} records from {args.file} written to {out} ({len(have)} were there already)")
 
 
+def _slice_args(parser: argparse.ArgumentParser) -> None:
+    from ..options import LoadOptions
+
+    LoadOptions.add_arguments(parser, only=("base",))
+    parser.add_argument("--head", required=True, help="EAGLE-3 head folder or hub id (official layout)")
+    parser.add_argument("--data", nargs="+", required=True, help="data folders or record files (.npz), or folders "
+                        "of record files: the reply tokens that are counted")
+    parser.add_argument("--size", type=int, required=True, help="draft tokens to keep: the most frequent ones")
+    parser.add_argument("--out", required=True, help="head folder to write (config.json + model.safetensors)")
+
+
+def stored_dtype(head) -> torch.dtype:
+    """The dtype the head's checkpoint was written in (config.json's torch_dtype), so a slice is stored alike."""
+    dtype = getattr(torch, str(head.config.extra.get("torch_dtype", "float32")), None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def run_slice(args: argparse.Namespace) -> None:
+    from ..draft.checkpoint import load_head, save_head
+    from ..model.load import load_model
+    from .vocab import check_sliceable, coverage, draft_targets, read_training_records, slice_vocab, token_counts
+
+    try:
+        head = load_head(args.head, load_model(args.base, dtype="float32", device="cpu"), dtype=torch.float32)
+        check_sliceable(head, args.size)  # before the records are read
+    except ValueError as err:
+        raise SystemExit(f"slice: {err}") from err
+    records = read_training_records(args.data)
+    counts = token_counts(records, head.config.vocab_size)
+    sliced = slice_vocab(head, counts, args.size)
+    save_head(sliced, args.out, stored_dtype(head))
+    print(f"{args.out}: draft vocabulary {head.config.draft_vocab} -> {args.size}; reply-token coverage "
+          f"{coverage(counts, draft_targets(head)):.4f} -> {coverage(counts, draft_targets(sliced)):.4f} "
+          f"({len(records)} records, {counts.sum().item()} reply tokens)")
+
+
 def run_fit(args: argparse.Namespace, data: list[str]) -> dict:
     from .generation import load_grouped_engine
     from .pipeline import fit_head, print_summary
@@ -154,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     restore.add_argument("file", help="record file (.npz) written by export")
     restore.add_argument("--out", required=True, help="data folder (records it already has are skipped)")
     restore.add_argument("--shard-size", type=int, default=128)
+    slicer = commands.add_parser("slice", help="keep an EAGLE-3 head's N most frequent draft tokens (the rows of "
+                                 "its LM head and its d2t), in the official layout")
+    _slice_args(slicer)
     every = commands.add_parser("all", help="data then fit, with defaults; --smoke for a few-minute run")
     _base_args(every)
     _data_args(every)
@@ -174,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         run_export(args)
     elif args.command == "import":
         run_import(args)
+    elif args.command == "slice":
+        run_slice(args)
     else:
         work = Path(args.work or Path("runs") / Path(args.out).name)
         args.work = str(work)
