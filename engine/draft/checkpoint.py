@@ -1,18 +1,28 @@
-"""Read and write draft heads in the official EAGLE layout: config.json + model.safetensors or pytorch_model.bin.
+"""Read draft heads in the layouts they are published in (config.json + model.safetensors or pytorch_model.bin), and
+write them in the official EAGLE layout.
 
-Unlike the official loader (strict=False), every key is checked: a missing, unexpected or mis-shaped tensor is an
-error that names it, and a head whose sizes do not fit the base model is refused with both sets of sizes.
+Layouts (engine/draft/config.py reads their configs; the layout is told from config.json, never the folder's name):
+
+  official     the EAGLE authors' heads: midlayer.* (EAGLE-3) or layers.* (EAGLE-1), fc, norm, lm_head, d2t, t2d
+  specforge    SpecForge / SGLang EAGLE-3 heads: the official tensor names, usually with embed_tokens
+  speculators  vLLM speculators heads: EAGLE-3 as layers.0.* for midlayer.*; EAGLE-1 as fusion_fc and transformer.*
+               for fc and layers.0.*; their copies of the verifier's norm and LM head (training targets) are dropped
+
+Every layout loads into the same head modules. Unlike the official loader (strict=False), every key is checked: a
+missing, unexpected or mis-shaped tensor is an error that names it as the file does, a missing or unsupported config
+field is named with the file, and a head whose sizes do not fit the base model is refused with both sets of sizes.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from .config import HeadConfig
+from .config import AUX_LAYERS, HeadConfig, detect_layout, layout_fields
 from .eagle1 import Eagle1Head
 from .eagle3 import Eagle3Head, fused_layers
 from .head import DraftHead
@@ -21,6 +31,14 @@ ASSETS = Path(__file__).resolve().parents[2] / "assets"
 DEFAULT_HEAD = ASSETS / "smollm2-135m-eagle3"
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _HEADS = {"eagle1": Eagle1Head, "eagle3": Eagle3Head}
+# Tensor name prefixes a layout uses where the official layout's differ: (the layout's, the official).
+_RENAMES = {
+    ("speculators", "eagle3"): (("layers.0.", "midlayer."),),
+    ("speculators", "eagle1"): (("fusion_fc.", "fc."), ("transformer.", "layers.0.")),
+}
+# Tensors a layout may save that drafting never reads: speculators' frozen copies of the verifier's final norm and
+# LM head, which only give its training targets.
+_TRAINING_ONLY = {"speculators": ("verifier_norm.weight", "verifier_lm_head.weight")}
 
 
 class CheckpointError(ValueError):
@@ -80,23 +98,85 @@ def _kind(raw: dict, state: dict[str, torch.Tensor]) -> str:
     raise CheckpointError("cannot tell the head kind: no midlayer.* (EAGLE-3) or layers.* (EAGLE-1) keys")
 
 
-def check_fits(config: HeadConfig, base_config, head_name: str, base_name: str) -> None:
-    """Refuse a head whose sizes differ from the base model's, naming both."""
+def check_fits(config: HeadConfig, base_config, head_name: str, base_name: str, own_embeddings: bool = False) -> None:
+    """Refuse a head whose sizes differ from the base model's, naming both. own_embeddings: the checkpoint ships
+    embed_tokens, so the head's width may differ from the base's (a head that borrows the base's may not)."""
     text = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
     target_hidden = config.target_hidden_size or config.hidden_size
     problems = []
     if target_hidden != text.hidden_size:
         problems.append(f"feature width {target_hidden} vs base hidden_size {text.hidden_size}")
+    elif config.hidden_size != text.hidden_size and not own_embeddings:
+        problems.append(f"hidden_size {config.hidden_size} vs base hidden_size {text.hidden_size}, and no "
+                        "embed_tokens.weight of its own to embed tokens at its width")
     if config.vocab_size != text.vocab_size:
         problems.append(f"vocab_size {config.vocab_size} vs base vocab_size {text.vocab_size}")
-    if config.kind == "eagle3" and len(set(fused_layers(text.num_hidden_layers))) < 3:
-        problems.append(f"an EAGLE-3 head needs a base with at least 7 layers, it has {text.num_hidden_layers}")
+    if config.kind == "eagle3":
+        problems += _fused_layer_problems(config, text.num_hidden_layers)
     if problems:
         raise CheckpointError(
-            f"head {head_name} ({config.kind}, hidden_size {config.hidden_size}, vocab_size {config.vocab_size}) "
+            f"head {head_name} ({config.kind}, {config.layout} layout, hidden_size {config.hidden_size}, "
+            f"vocab_size {config.vocab_size}) "
             f"does not fit base model {base_name} (hidden_size {text.hidden_size}, vocab_size {text.vocab_size}, "
             f"{text.num_hidden_layers} layers): " + "; ".join(problems)
         )
+
+
+def _fused_layer_problems(config: HeadConfig, num_layers: int) -> list[str]:
+    if config.target_layers is None:
+        if len(set(fused_layers(num_layers))) < 3:
+            return [f"an EAGLE-3 head needs a base with at least 7 layers, it has {num_layers}"]
+        return []
+    past = [i for i in config.target_layers if i >= num_layers]
+    if past:
+        return [f"fused target layers {config.target_layers} (inputs of base decoder layers) need a base with more "
+                f"than {max(past)} layers, it has {num_layers}"]
+    return []
+
+
+def _official_names(state: dict[str, torch.Tensor], layout: str, kind: str | None
+                    ) -> tuple[dict[str, torch.Tensor], Callable[[str], str]]:
+    """The checkpoint's tensors under the official names, and how the file names a tensor (for error messages)."""
+    renames = _RENAMES.get((layout, kind), ())
+
+    def official(name: str) -> str:
+        for theirs, ours in renames:
+            if name.startswith(theirs):
+                return ours + name.removeprefix(theirs)
+        return name
+
+    def as_in_file(name: str) -> str:
+        for theirs, ours in renames:
+            if name.startswith(ours):
+                return theirs + name.removeprefix(ours)
+        return name
+
+    dropped = _TRAINING_ONLY.get(layout, ())
+    return {official(k): v for k, v in state.items() if k not in dropped}, as_in_file
+
+
+def _check_fused_count(config: HeadConfig, state: dict[str, torch.Tensor]) -> None:
+    """A head fusing other than three target layers must name them: the official default names three."""
+    fc = state.get("fc.weight")
+    if config.kind != "eagle3" or config.target_layers or fc is None or fc.dim() != 2:
+        return
+    count, rest = divmod(fc.shape[1], config.target_hidden_size or config.hidden_size)
+    if rest == 0 and count != 3:
+        field = f"eagle_config.{AUX_LAYERS}" if config.layout == "specforge" else AUX_LAYERS
+        raise ValueError(f"fc.weight fuses {count} target layers but {field} is absent, so which {count} cannot be "
+                         "told")
+
+
+def read_layout(raw: dict, state: dict[str, torch.Tensor]
+                ) -> tuple[HeadConfig, dict[str, torch.Tensor], Callable[[str], str]]:
+    """The head config of any layout, its tensors under the official names, and how the file names a tensor.
+    ValueError names the config field at fault."""
+    layout = detect_layout(raw)
+    fields, kind = layout_fields(raw, layout)
+    state, as_in_file = _official_names(state, layout, kind)
+    config = HeadConfig.from_dict(fields, kind or _kind(fields, state), layout)
+    _check_fused_count(config, state)
+    return config, state, as_in_file
 
 
 def load_head(source: str | Path, base_model: nn.Module, dtype: torch.dtype | None = None) -> DraftHead:
@@ -111,33 +191,39 @@ def load_head(source: str | Path, base_model: nn.Module, dtype: torch.dtype | No
         raise CheckpointError(f"{config_file} is not valid JSON: {err}") from err
     state = _read_weights(folder)
     try:
-        config = HeadConfig.from_dict(raw, _kind(raw, state))
+        config, state, as_in_file = read_layout(raw, state)
     except ValueError as err:
         raise CheckpointError(f"{config_file}: {err}") from err
     base_name = getattr(base_model.config, "name_or_path", "") or type(base_model).__name__
-    check_fits(config, base_model.config, str(source), base_name)
+    own_embeddings = "embed_tokens.weight" in state
+    check_fits(config, base_model.config, str(source), base_name, own_embeddings)
 
     head = _HEADS[config.kind](config)
-    if "embed_tokens.weight" in state:
+    if own_embeddings:  # the head's own table, used instead of the base model's
         head.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
     if config.kind == "eagle3" and not head.has_vocab_map:
         state.pop("d2t", None), state.pop("t2d", None)  # identity vocabulary, as the official loader does
+    _check_tensors(head, state, f"head {source}", f"the {config.layout} {config.kind} layout", as_in_file)
+    head.load_state_dict(state, strict=True)
+    return place_head(head, base_model, dtype)
+
+
+def _check_tensors(head: DraftHead, state: dict[str, torch.Tensor], head_name: str, layout: str,
+                   as_in_file: Callable[[str], str]) -> None:
+    """Name every missing, unexpected or mis-shaped tensor as the file names it."""
     expected = head.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    missing = sorted(as_in_file(k) for k in set(expected) - set(state))
+    unexpected = sorted(as_in_file(k) for k in set(state) - set(expected))
     if missing or unexpected:
         raise CheckpointError(
-            f"head {source} does not match the {config.kind} layout:"
+            f"{head_name} does not match {layout}:"
             + (f" missing {', '.join(missing)}" if missing else "")
             + (f" unexpected {', '.join(unexpected)}" if unexpected else "")
         )
     for key, tensor in state.items():
         if tensor.shape != expected[key].shape:
-            raise CheckpointError(
-                f"head {source}: {key} has shape {list(tensor.shape)}, config.json implies {list(expected[key].shape)}"
-            )
-    head.load_state_dict(state, strict=True)
-    return place_head(head, base_model, dtype)
+            raise CheckpointError(f"{head_name}: {as_in_file(key)} has shape {list(tensor.shape)}, config.json "
+                                  f"implies {list(expected[key].shape)}")
 
 
 def place_head(head: DraftHead, base_model: nn.Module, dtype: torch.dtype | None = None) -> DraftHead:

@@ -16,20 +16,34 @@ def fused_layers(num_target_layers: int) -> list[int]:
     return [2, n // 2, n - 3]
 
 
+def _attention(config: HeadConfig) -> Attention:
+    """Attention over [embedding, hidden] with heads of config.head_dim, which may differ from hidden / heads (as in
+    SpecForge's gpt-oss heads): q, k, v are as wide as the heads, o_proj maps them back to hidden_size."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    width = heads * config.attention_head_dim
+    attention = Attention(2 * h, width, heads, config.num_key_value_heads, config.qkv_bias)
+    if width != h:
+        attention.o_proj = nn.Linear(width, h, bias=False)
+    return attention
+
+
 class Eagle3Layer(nn.Module):
     def __init__(self, config: HeadConfig):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)
-        self.self_attn = Attention(2 * h, h, config.num_attention_heads, config.num_key_value_heads, config.qkv_bias)
+        self.self_attn = _attention(config)
         self.mlp = MLP(h, config.intermediate_size)
         self.post_attention_layernorm = RMSNorm(h, eps)
+        self.norm_before_residual = config.norm_before_residual
 
     def forward(self, embeds, hidden, rope: KV, past: KV | None, mask: torch.Tensor | None):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         attn, kv = self.self_attn(x, rope, past, mask)
-        hidden = hidden + attn  # the residual is the un-normalised hidden, as in the official head
+        # The official head adds the un-normalised hidden back; speculators' norm_before_residual adds the normed one.
+        hidden = (normed if self.norm_before_residual else hidden) + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), kv
 
 
@@ -52,7 +66,8 @@ class Eagle3Head(DraftHead):
         return hasattr(self, "d2t")
 
     def feature_layers(self, num_target_layers: int) -> list[int]:
-        return fused_layers(num_target_layers)
+        """The layers the checkpoint's config names, else the official capture's."""
+        return list(self.config.target_layers or fused_layers(num_target_layers))
 
     def forward(self, hidden, token_ids, positions, past, mask, from_target):
         hidden = hidden.to(self.fc.weight.dtype)

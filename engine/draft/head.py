@@ -20,10 +20,14 @@ class DraftHead(nn.Module):
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
-        head_dim = config.hidden_size // config.num_attention_heads
-        self.rotary = Rotary(head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = Rotary(config.attention_head_dim, config.rope_theta, config.rope_scaling)
         self.embed_tokens: nn.Embedding | None = None
         self._base: tuple[nn.Module, ...] = ()  # in a tuple: not a submodule, not in the state dict
+
+    @property
+    def layout(self) -> str:
+        """The checkpoint layout the head was read from: "official", "specforge" or "speculators"."""
+        return self.config.layout
 
     def attach(self, base_model: nn.Module) -> None:
         """Borrow the base model's input embedding and LM head. They are looked up at each use, so the head keeps
