@@ -2,18 +2,15 @@
 multi-turn chat twice on the default engine, each turn's prompt the whole conversation so far, greedy; prints the
 prefill of every turn both ways and whether the answers agree token for token.
 
-    python scripts/chat_turns.py [--max-new-tokens 256]
+    python -m scripts.chat_turns [--max-new-tokens 256]
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.engine import Engine, freeze_heap  # noqa: E402
-from engine.decode.prefixes import PrefixStore  # noqa: E402
+from engine.decode.prefixes import PrefixStore
+from engine.engine import Engine, freeze_heap
 
 QUESTIONS = ["Explain how a bicycle works, step by step.", "Now explain its gears in detail.",
              "What maintenance does the chain need?", "Compare it with an electric bicycle.",
@@ -34,7 +31,7 @@ def chat(engine: Engine, max_new_tokens: int) -> list[tuple[int, float, list[int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.chat_turns", description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
     engine = Engine.load()

@@ -7,24 +7,20 @@ cost the answer against EAGLE without them. Then, with runs of 8 plain steps, ho
 against plain decoding's median step on the same prompt: why the meter leaves the first app.meter.SETTLING steps of
 a run untimed.
 
-    python scripts/meter_accuracy.py [--prompts 6] [--max-new-tokens 512]
+    python -m scripts.meter_accuracy [--prompts 6] [--max-new-tokens 512]
 
 Run it on a quiet machine: the ratios compare answers timed one after the other.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
-from pathlib import Path
 from statistics import mean, median
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from app.meter import PLAIN_EVERY, PLAIN_RUN, TurnMeter  # noqa: E402
-from engine import DecodeParams, Engine  # noqa: E402
-from engine.engine import freeze_heap  # noqa: E402
-from engine.tools.runs import SHARED_QUESTIONS, load_questions  # noqa: E402
+from app.meter import PLAIN_EVERY, PLAIN_RUN, TurnMeter
+from engine import DecodeParams, Engine
+from engine.engine import freeze_heap
+from engine.tools.runs import SHARED_QUESTIONS, load_questions
 
 BICYCLE = "Explain how a bicycle works, step by step."
 LONG_RUN = 8
@@ -77,7 +73,7 @@ def settling(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.meter_accuracy", description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=6, help="the bicycle prompt, then MT-bench first turns")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     args = parser.parse_args()

@@ -3,10 +3,10 @@
 and again for each pair. Taking the two in turn compares them at the same hour: within minutes, this machine's
 speed drifts by more than the gap being measured.
 
-    python scripts/page_vs_bench.py [--max-new-tokens 512] [--pairs 3] [--prompt TEXT]
+    python -m scripts.page_vs_bench [--max-new-tokens 512] [--pairs 3] [--prompt TEXT]
 
 The page's tokens/s are the meter's (decoding rounds; the prefill left out), the bench's its own (the prefill
-included, a few tens of ms an answer): issue #13 asks the page for ≥ 90 % of the bench. Run it on a quiet machine.
+included): the page should come close to the bench, since both run the same engine. Run it on a quiet machine.
 
 The browser shares the decoder's cores: the CPU Chromium's processes use during each answer is measured, and the
 bench runs once more beside a synthetic load of that share (`engine.bench --busy`), which tells what the browser's
@@ -26,8 +26,7 @@ from statistics import mean
 import psutil
 from playwright.sync_api import Page, Playwright, sync_playwright
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.browser import (  # noqa: E402
+from app.browser import (
     ROOT, choose_method, clear_chat, launch_chromium, meter, open_app, send, set_number, start_app, stop_app,
     wait_for_answer,
 )
@@ -53,7 +52,7 @@ def browser_cpu_s() -> float:
 def settle(quiet_share: float = 0.1, window_s: float = 0.5, timeout_s: float = 20) -> None:
     """Wait until Chromium, having just loaded the page, uses under `quiet_share` of a core: a user reads the page
     and types for seconds before the first answer, while an answer sent at once would share the cores with the
-    page's loading (half the first answer's speed here)."""
+    page's loading and run markedly slower."""
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
         cpu = browser_cpu_s()
@@ -114,7 +113,7 @@ def measure(prompt: str, max_new_tokens: int, pairs: int, folder: Path) -> list[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.page_vs_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--pairs", type=int, default=3, help="plain and EAGLE answers taken in turn, this many each")
     parser.add_argument("--prompt", default=PROMPT)

@@ -1,27 +1,23 @@
 """Take the README screenshot from the real app: start `python app.py`, ask one question, capture the page.
 
-    python scripts/screenshot.py [--out assets/screenshot.png] [--max-new-tokens 96] [-- app.py options]
+    python -m scripts.screenshot [--out assets/screenshot.png] [--max-new-tokens 96] [-- app.py options]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.browser import (  # noqa: E402
-    ROOT, launch_chromium, open_app, send, set_number, start_app, stop_app, wait_for_answer,
-)
+from app.browser import ROOT, launch_chromium, open_app, send, set_number, start_app, stop_app, wait_for_answer
 
 PROMPT = "Explain what a hash table is, with a small Python example."
 MAX_BYTES = 300_000
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.screenshot", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "assets" / "screenshot.png")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--prompt", default=PROMPT)

@@ -18,7 +18,7 @@ from app.api import MAX_BODY_BYTES, Access, Api, release
 from app.chat import ChatService
 from engine import DecodeParams, Engine
 from engine.draft.checkpoint import DEFAULT_HEAD
-from scripts.app_server import free_port, start_app, stop_app
+from app.process import free_port, start_app, stop_app
 
 openai = pytest.importorskip("openai", reason="pip install -r requirements-dev.txt")
 

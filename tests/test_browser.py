@@ -9,7 +9,7 @@ from statistics import mean
 import pytest
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install -r requirements-dev.txt")
-from scripts.browser import (  # noqa: E402
+from app.browser import (  # noqa: E402
     CHROMIUM, answer_afresh, answered, choose_method, last_answer_text, launch_chromium, meter, open_app, send,
     set_number, start_app, stop_app, wait_for_answer,
 )

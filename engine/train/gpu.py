@@ -2,7 +2,7 @@
 head and replies back.
 
 The device machine takes 64 MiB a call (this checkout included) and returns 8 files of at most 16 MiB each; the
-embedded GGUF alone is 98 MB, the ShareGPT file 125 MB, the head 28 MB. So the work is split:
+embedded GGUF, the ShareGPT file and the head are each larger than one such file. So the work is split:
 
   pack    (here)   choose and tokenize the prompts, cut the GGUF into parts, plan which call carries which
                    files (runs/gpu/plan.json, with the commands)
@@ -11,14 +11,14 @@ embedded GGUF alone is 98 MB, the ShareGPT file 125 MB, the head 28 MB. So the w
                    write the head and the records in returnable pieces
   unpack  (here)   join the head (checked against its SHA-256) and the records into one file (engine.draft.records)
 
-    python scripts/train_gpu.py pack
-    python scripts/train_gpu.py run --parts runs/gpu /tmp/carry --out $OUT --minutes 9     # on the GPU
-    python scripts/train_gpu.py unpack --files FILES_AT --out runs/head-gpu
-    python scripts/train_gpu.py smoke       # all three on this CPU with tiny settings (a few minutes)
+    python -m engine.train.gpu pack
+    python -m engine.train.gpu run --parts runs/gpu /tmp/carry --out $OUT --minutes 9     # on the GPU
+    python -m engine.train.gpu unpack --files FILES_AT --out runs/head-gpu
+    python -m engine.train.gpu smoke       # all three on this CPU with tiny settings (a few minutes)
 
-Replies come from the GGUF's dequantized float32 weights in transformers' forward: on the CPU the engine decodes the
-same groups with int8 activations, whose greedy tokens agree with float32's at ~98 % of reply positions (README,
-"How the shipped head was trained"), so the data is the engine's model's text with the occasional divergence.
+Replies come from the GGUF's dequantized float32 weights in transformers' forward, while the engine on the CPU
+decodes the same groups with int8 activations: their greedy tokens agree at most reply positions, so the data is the
+engine's model's text with an occasional divergence.
 """
 from __future__ import annotations
 
@@ -35,22 +35,22 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from ..draft.records import load_records, save_records
+from ..model.gguf_cache import sha256
+from ..model.load import embedded_gguf_path, load_model, load_tokenizer
+from .data import read_conversations, select_prompts, stop_ids
+from .fit import FitConfig
+from .generation import GROUPED_ATTENTION, BatchGenerator
+from .pipeline import fit_head
 
-from engine.model.gguf_cache import sha256  # noqa: E402
-from engine.model.load import embedded_gguf_path, load_model, load_tokenizer  # noqa: E402
-from engine.train.data import read_conversations, select_prompts, stop_ids  # noqa: E402
-from engine.train.fit import FitConfig  # noqa: E402
-from engine.train.generation import GROUPED_ATTENTION, BatchGenerator  # noqa: E402
-from engine.train.pipeline import fit_head  # noqa: E402
-from engine.draft.records import load_records, save_records  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+COMMAND = "python -m engine.train.gpu"
 
 MIB = 2**20
 CALL_MIB = 64  # what one device call takes, this checkout included
 RETURN_MIB = 15  # under the 16 MiB a returned file may hold
-# The committed self-distilled records (README, "How the shipped head was trained", step 9 on): left out of the
-# prompts, trained on beside the new replies; the first file's every 40th record is the validation set.
+# The committed self-distilled records: left out of the prompts, trained on beside the new replies; the first file's
+# every 40th record is the validation set.
 COMMITTED = tuple(ROOT / "data" / "selfdistill" / name for name in (
     "smollm2-int8-2000.npz", "smollm2-int8-turns.npz", "smollm2-int8-turns-2.npz", "smollm2-int8-turns-3.npz"))
 BASE_NAME = "base.gguf"
@@ -68,7 +68,7 @@ class Budget:
     data_share: float = 0.45
     max_new_tokens: int = 256
     slots: int = 2048  # rows decoded together, at most (the cache holds slots x (longest prompt + max_new_tokens);
-    # fewer where they would leave under a quarter of the GPU's memory free: ~1,790 on an H100)
+    # fewer where they would leave under a quarter of the GPU's memory free)
     chunk: int = 16384  # prompts per generator: each is sorted by length, so a cut in time keeps long prompts too
     prefill_tokens: int = 65536
     draft_vocab_size: int = 16384
@@ -78,7 +78,7 @@ class Budget:
     epochs: float = 20.0  # an upper bound: the time left sets the schedule's length
     warmup: int = 20
     closing_s: float = 30.0  # kept for the final validation, saving the head and cutting it into pieces
-    val_every: int = 40  # every n-th committed record is held out: the 50 that session 18's CPU fits were scored on
+    val_every: int = 40  # every n-th record of the first committed file is held out: the validation set CPU fits use
 
 
 SMOKE_PROMPTS = 12
@@ -154,7 +154,7 @@ def pack(out: Path, base: Path, limit: int | None, max_prompt_tokens: int, part_
     chosen = select_prompts(read_conversations(), tokenizer, wanted, max_prompt_tokens, turns="all")
     prompts = [{"id": ident, "input_ids": ids, "prompt_len": len(ids)} for ident, _, ids, _ in chosen
                if ident not in have][:limit]
-    save_records(prompts, out / PROMPTS, {"command": "python scripts/train_gpu.py pack", "turns": "all",
+    save_records(prompts, out / PROMPTS, {"command": f"{COMMAND} pack", "turns": "all",
                                           "max_prompt_tokens": max_prompt_tokens})
     room = CALL_MIB * MIB - tree_bytes() - MIB // 2
     part = int(part_mib * MIB) if part_mib else room
@@ -190,7 +190,7 @@ def call_command(carried: list[Path], last: bool) -> str:
         return f"mkdir -p {STAGING} && cp {' '.join(shown(f) for f in carried)} {STAGING}/"
     folder = shown(carried[-1].parent)
     return (f"python3 -m pip install -q --no-index --no-deps --target /tmp/site {folder}/{WHEELS}/*.whl && "
-            f"export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 && set -o pipefail && python3 scripts/train_gpu.py run "
+            f"export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 && set -o pipefail && python3 -m engine.train.gpu run "
             f"--parts {folder} {STAGING} --out $OUT --minutes {Budget.minutes:g} 2>&1 | tee $OUT/log")
 
 
@@ -254,14 +254,14 @@ def run(parts: list[Path], out: Path, budget: Budget, device: str, work: Path) -
     records = regenerate(model, prompts, manifest["stops"], budget, started + budget.minutes * 60 * budget.data_share)
     generation_s = time.time() - generation_started
     reply_tokens = sum(len(r["input_ids"]) - r["prompt_len"] for r in records)
-    meta = {"command": "python scripts/train_gpu.py run", "device": torch.cuda.get_device_name() if
+    meta = {"command": f"{COMMAND} run", "device": torch.cuda.get_device_name() if
             torch.cuda.is_available() else "cpu", "dtype": "float32", "max_new_tokens": budget.max_new_tokens}
     data_files = save_pieces(records, out, "data", meta)  # returned, and what the fit reads
     print(f"{len(records)} replies, {reply_tokens} tokens in {generation_s:.0f}s "
           f"({reply_tokens / max(generation_s, 1e-9):.0f} reply tok/s)", flush=True)
 
     model.set_attn_implementation("sdpa")  # whole sequences, a padding mask: SDPA's own kernels
-    torch.backends.cuda.matmul.allow_tf32 = True  # features for training: TF32 is close enough and ~4x faster
+    torch.backends.cuda.matmul.allow_tf32 = True  # features for training: TF32 is close enough, and faster
     config = FitConfig(ttt_steps=budget.ttt_steps, lr=budget.lr, warmup=budget.warmup, epochs=budget.epochs,
                        batch_tokens=budget.batch_tokens, save_every=0, eval_every=0)
     head = work / "head"
@@ -289,13 +289,14 @@ def unpack(files: Path, head_out: Path, data_out: Path | None) -> dict:
     shutil.copy(files / "head-config.json", head_out / "config.json")
     if data_out is not None:
         records = [r for name in report["data_files"] for r in load_records(files / name)]
-        save_records(records, data_out, {"command": "python scripts/train_gpu.py run, then unpack",
+        save_records(records, data_out, {"command": f"{COMMAND} run, then unpack",
                                          "reply_tokens_per_s": report["reply_tokens"] / report["generation_s"]})
     return report
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     packing = commands.add_parser("pack", help="prompts and the base in carryable parts, and the plan of calls")
     packing.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu")

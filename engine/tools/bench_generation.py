@@ -1,27 +1,24 @@
 """Self-distillation speed: engine.train.generation against transformers `generate`, on the same prompts, in turns.
 
-The baseline is how `python -m engine.train data` generated before: left-padded batches of prompts sorted by
-length, transformers' DynamicCache growing by concatenation every step, on the packed model. Both sides get the
+The baseline is transformers' own batched generation: left-padded batches of prompts sorted by length,
+transformers' DynamicCache growing by concatenation every step, on the packed model. Both sides get the
 same ShareGPT prompts and the same token budget; rounds alternate so that a change in machine load hits both.
 
-    python scripts/bench_generation.py --limit 64 --max-new-tokens 256 --rounds 2
+    python -m engine.tools.bench_generation --limit 64 --max-new-tokens 256 --rounds 2
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.model.load import load_base, load_tokenizer  # noqa: E402
-from engine.model.packed import pack_linears  # noqa: E402
-from engine.train.data import read_conversations, select_prompts, stop_ids  # noqa: E402
-from engine.train.generation import generate_replies, prepare_model  # noqa: E402
+from ..model.load import load_base, load_tokenizer
+from ..model.packed import pack_linears
+from ..train.data import read_conversations, select_prompts, stop_ids
+from ..train.generation import generate_replies, prepare_model
 
 
 @torch.inference_mode()
@@ -52,11 +49,12 @@ def timed(run) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.bench_generation", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=64, help="ShareGPT prompts (the data command's selection)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
-    parser.add_argument("--hf-batch-size", type=int, default=32, help="transformers generate's batch (as before)")
+    parser.add_argument("--hf-batch-size", type=int, default=32, help="transformers generate's batch")
     parser.add_argument("--hf-dtypes", default="float32", help="comma-separated dtypes for transformers generate")
     parser.add_argument("--slots", default="64", help="comma-separated batch sizes for engine.train.generation")
     parser.add_argument("--rounds", type=int, default=1, help="alternate the two sides this many times")

@@ -1,7 +1,7 @@
 """The q4 kernels' AVX-512 path against their 8-lane AVX2 path, alternated in one process (the machine's drift hits
 both alike): single matmuls of the embedded model's shapes, then whole answers of the default engine.
 
-    python scripts/avx512_ab.py [--questions N] [--reps R]
+    python -m engine.tools.avx512_ab [--questions N] [--reps R]
 
 The two paths give the same bits (tests/test_quant.py); this measures what the wider one buys on this CPU.
 """
@@ -10,16 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from statistics import mean
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine import DecodeParams, Engine  # noqa: E402
-from engine.model import kernels  # noqa: E402
-from engine.model.quant import QuantLinear, quantize  # noqa: E402
-from engine.tools.runs import SHARED_QUESTIONS, first_turn_prompts, load_questions  # noqa: E402
+from .. import DecodeParams, Engine
+from ..model import kernels
+from ..model.quant import QuantLinear, quantize
+from .runs import SHARED_QUESTIONS, first_turn_prompts, load_questions
 
 SHAPES = (("Q4_1", 1536, 576), ("Q4_1", 576, 576), ("Q8_0", 49152, 576))  # FFN, attention, LM head
 
@@ -76,7 +74,7 @@ def _timed(wide: bool, function, *args):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.avx512_ab", description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=4, help="MT-bench questions for the whole answers")
     parser.add_argument("--reps", type=int, default=3, help="alternations of the two paths")
     args = parser.parse_args()

@@ -1,5 +1,5 @@
-"""Start and stop the real app (`python app.py`) on a free port: for the browser test, the screenshot and the API
-test. No browser here, so tests that only speak HTTP need no playwright."""
+"""Start and stop the real app (`python app.py`) on a free port: for the browser and API tests and the measurement
+scripts. No browser here, so tests that only speak HTTP need no playwright."""
 from __future__ import annotations
 
 import socket
@@ -10,8 +10,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-STARTUP_S = 300  # model load, on a busy 2-core machine
+ROOT = Path(__file__).resolve().parents[1]  # the repository, where app.py is
+STARTUP_S = 300  # model load, with room for a busy machine
 
 
 def free_port() -> int:

@@ -1,0 +1,63 @@
+"""Tiny random-weight base models of several shapes and families, with random draft heads: what the test suite and
+the GPU check (engine/tools/gpu_check.py) decode with when exactness, not quality, is being checked. No weights to
+download: every model is built from a seed."""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from ..draft.checkpoint import new_head, place_head
+
+# A small vocabulary makes random drafts hit often, so multi-token paths are exercised.
+VOCAB = 16
+SHAPES = {
+    "llama-h64-l8-gqa": (LlamaConfig, LlamaForCausalLM,
+                         dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)),
+    "llama-h48-l7-mqa": (LlamaConfig, LlamaForCausalLM,
+                         dict(hidden_size=48, num_hidden_layers=7, num_attention_heads=3, num_key_value_heads=1)),
+    "qwen2-h32-l10-tied": (Qwen2Config, Qwen2ForCausalLM,
+                           dict(hidden_size=32, num_hidden_layers=10, num_attention_heads=2, num_key_value_heads=2,
+                                tie_word_embeddings=True)),
+    "qwen3-h64-l9": (Qwen3Config, Qwen3ForCausalLM,
+                     dict(hidden_size=64, num_hidden_layers=9, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16)),
+}
+# A dynamic tree that branches and reaches three levels: lossless checks need tree rows that see different
+# ancestors (the default tree drafts a single token).
+BRANCHING = dict(total_tokens=8, depth=2, draft_top_k=4)
+
+
+class IdsOnlyTokenizer:
+    """The tiny models are fed token ids directly; only the stop-token lookup needs a tokenizer."""
+
+    eos_token_id = None
+
+
+def tiny_base(shape: str, vocab: int = VOCAB, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random-weight base model of one of SHAPES, in eval mode, without a stop token."""
+    config_cls, model_cls, sizes = SHAPES[shape]
+    torch.manual_seed(seed)
+    config = config_cls(
+        vocab_size=vocab, intermediate_size=96, initializer_range=0.25, max_position_embeddings=256, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None, **sizes,
+    )
+    model = model_cls(config).to(dtype).eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def random_head(model, kind: str, seed: int = 1):
+    """A random draft head of `kind` ("eagle1" or "eagle3") placed beside `model`."""
+    torch.manual_seed(seed)
+    vocab = model.config.vocab_size
+    head = new_head(kind, model.config, draft_vocab_size=vocab - 4 if kind == "eagle3" else None)
+    if kind == "eagle3":
+        head.set_vocab(torch.randperm(vocab)[: vocab - 4])
+    for p in head.parameters():  # larger weights than the default init: sharper, more varied drafts
+        torch.nn.init.normal_(p, std=0.3)
+    return place_head(head, model)
+
+
+def tokens_of(steps) -> list[int]:
+    """The tokens of a generation's steps, in order."""
+    return [t for s in steps for t in s.tokens]
