@@ -1,6 +1,8 @@
 """Training-time test: the unroll's masks and shifts match inference, a head learns a known rule, resume is exact."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -149,15 +151,26 @@ def test_a_head_trained_on_a_known_rule_drafts_it_in_the_engine(tmp_path, capsys
     assert tau >= 4.0, f"accepted length {tau:.2f}: the head did not learn the rule through the engine"  # 4.88
 
 
-def test_a_time_budget_fits_the_schedule_once_the_warm_up_is_timed_and_ends_in_it(tmp_path):
+def test_a_time_budget_fits_the_schedule_once_the_warm_up_is_timed_and_ends_in_it(tmp_path, monkeypatch):
+    """On a clock that advances a fixed time per step, so that the verdict does not depend on the machine's speed
+    or load: the pace of the warm-up sets the schedule's length, and the schedule ends within the budget."""
     model = rule_model()
     config = FitConfig(ttt_steps=2, lr=1e-3, epochs=10_000, batch_tokens=120, warmup=30, save_every=0, eval_every=0)
     trainer = make_trainer(model, rule_records(12, length=16), tmp_path, config)
     planned, lengths = trainer.total_steps, []  # (step, the schedule's length when it ran)
+    now, step_s, budget_s = [0.0], 0.125, 6.0
+    monkeypatch.setattr("engine.train.fit.time", SimpleNamespace(time=lambda: now[0]))
     step = trainer.train_step
-    trainer.train_step = lambda: (lengths.append((trainer.step, trainer.total_steps)), step())[1]
-    summary = trainer.fit(time_limit_s=6.0)
-    assert summary["seconds"] < 8.0 and config.warmup < summary["steps"]
+
+    def timed_step():
+        lengths.append((trainer.step, trainer.total_steps))
+        loss = step()
+        now[0] += step_s
+        return loss
+
+    trainer.train_step = timed_step
+    summary = trainer.fit(time_limit_s=budget_s)
+    assert summary["seconds"] <= budget_s and config.warmup < summary["steps"] == summary["total_steps"]
     # the schedule's length stayed as planned through the warm-up (whose rates do not depend on it) and was then
     # cut to what the budget affords, once
     assert {total for at, total in lengths if at <= config.warmup} == {planned}

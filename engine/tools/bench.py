@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -400,12 +402,13 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(err))
     hf_model = hf_model_for(args, engine, setup.methods)
     try:
-        with busy_processes(args.busy):
+        with busy_processes(args.busy) as busy:
             runs = run_all(engines, hf_model, setup, prompts, llama)
     finally:
         for server in llama.values():
             server.close()
     report = build_report(args, setup, engine, prompts, runs)
+    report["config"]["busy_cores_measured"] = busy.measured
     print_report(report)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
@@ -417,31 +420,79 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 BURST_S = 0.004  # a partly busy process's bursts: about one frame's rendering work of a browser
+# The program of a partly busy process (`python -c BUSY_LOOP SHARE`): bursts of work of BURST_S, each followed by the
+# rest that makes the work SHARE of the time. `loop` takes its clock and its sleep as arguments so that its schedule
+# can be checked without timing anything.
 BUSY_LOOP = """import sys, time
-busy = float(sys.argv[1])
-rest = {burst} * (1 - busy) / busy
-while True:
-    end = time.perf_counter() + {burst}
-    while time.perf_counter() < end:
-        pass
-    time.sleep(rest)
+
+
+def loop(share, burst, clock=time.perf_counter, sleep=time.sleep):
+    rest = burst * (1 - share) / share
+    while True:
+        end = clock() + burst
+        while clock() < end:
+            pass
+        sleep(rest)
+
+
+if __name__ == "__main__":
+    loop(float(sys.argv[1]), {burst})
 """.format(burst=BURST_S)
+
+
+@dataclass
+class BusyLoad:
+    """The busy processes of one block: the cores asked for, each process's share of a core, and once the block is
+    over `measured`, the cores they used on average (None without processes, or where the OS cannot say)."""
+
+    asked: float
+    shares: list[float]
+    processes: list[subprocess.Popen]
+    measured: float | None = None
+
+    def line(self) -> str:
+        used = "not measured" if self.measured is None else f"measured {self.measured:.2f}"
+        return f"busy load: asked {self.asked:.2f} cores, {used}"
+
+
+def _cpu_s_at_exit(process: subprocess.Popen) -> float | None:
+    """Reap a killed process; returns the CPU seconds it used in all, as the kernel accounted them at its exit."""
+    if not hasattr(os, "wait4"):
+        process.wait()
+        return None
+    try:
+        _, status, usage = os.wait4(process.pid, 0)
+    except ChildProcessError:  # reaped already
+        process.wait()
+        return None
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
 
 
 @contextmanager
 def busy_processes(load: float):
     """Processes at the default nice level that keep `load` cores busy while the block runs: one `while True` loop
-    per whole core, and for a fractional part one that is busy that share of the time, in bursts of BURST_S."""
+    per whole core, and for a fractional part one that is busy that share of the time, in bursts of BURST_S.
+
+    Yields a BusyLoad. When the block ends the processes are killed, and the cores they used (their CPU time over
+    the block's wall time) are stored in its `measured` and printed as a line: on a machine with other work they may
+    get less than asked, which is for the benchmark's reader to see, not for the load to correct."""
     whole, part = divmod(load, 1)
     shares = [1.0] * int(whole) + ([part] if part > 1e-3 else [])
-    processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"] if share == 1 else
-                                  [sys.executable, "-c", BUSY_LOOP, str(share)]) for share in shares]
+    started = time.perf_counter()
+    busy = BusyLoad(load, shares, [subprocess.Popen([sys.executable, "-c", "while True: pass"] if share == 1 else
+                                                    [sys.executable, "-c", BUSY_LOOP, str(share)]) for share in shares])
     try:
-        yield
+        yield busy
     finally:
-        for process in processes:
+        wall = time.perf_counter() - started
+        for process in busy.processes:
             process.kill()
-            process.wait()
+        used = [_cpu_s_at_exit(process) for process in busy.processes]
+        if used and None not in used:
+            busy.measured = sum(used) / wall
+        if used:
+            print(busy.line())
 
 
 def print_curve(engine: Engine, sizes: list[int], cache_lengths: list[int]) -> dict:
