@@ -1,6 +1,6 @@
-"""The engine's own CPU kernels (cpu.cpp): 4- and 8-bit grouped linear layers (on float32 or int8 activations) and
-a float32 attention whose rows come out the same bits whatever shares their forward, and whole forwards built from
-them (engine.model.fused).
+"""The engine's own CPU kernels (the C++ beside this file, one job a file: kernels.h lists them): 4- and 8-bit
+grouped linear layers (on float32 or int8 activations) and a float32 attention whose rows come out the same bits
+whatever shares their forward, and whole forwards built from them (engine.model.fused).
 
 Compiled on first use with torch's extension builder (a C++ compiler and ninja; cached under
 ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) for x86 CPUs with AVX2 and FMA. Where that cannot happen the
@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu.cpp")
+HERE = Path(__file__).parent
+SOURCES = sorted(str(source) for source in HERE.glob("*.cpp"))  # each includes kernels.h, from HERE
 # No contraction the source does not ask for; OpenMP, or at::parallel_for runs every kernel on one thread.
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
@@ -28,11 +29,11 @@ def unavailable_reason() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="eagle_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-             is_python_module=False)
+        load(name="eagle_cpu_kernels", sources=SOURCES, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+             extra_include_paths=[str(HERE)], is_python_module=False)
     except (OSError, RuntimeError, ImportError) as err:  # no compiler, no ninja, a failed build
         log.warning("engine/model/kernels could not be built, the float kernels stay: %s", str(err).splitlines()[0])
-        return f"building engine/model/kernels/cpu.cpp failed: {str(err).splitlines()[0]}"
+        return f"building engine/model/kernels failed: {str(err).splitlines()[0]}"
     return None
 
 

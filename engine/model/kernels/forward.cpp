@@ -1,0 +1,296 @@
+// rms_norm, rotary and the residual stream by hand, and the two whole forwards built from them and the other files'
+// kernels: a q4 Llama's decoder (llama_forward) and an EAGLE-3 head's layer (eagle3_layer), op for op as transformers
+// runs them, so every output has the very same bits, without Python between their ops.
+#include "kernels.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace eagle_cpu {
+namespace {
+
+int64_t ceil_log2(int64_t x) { return x <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(x - 1)); }
+
+// torch's sum of a contiguous float32 row (ATen's SumKernel.cpp, its inner-dimension cascade sum): vectors of `lanes`
+// floats taken four side by side and added in chunks of 16 that are summed level by level, the four partial vectors
+// then added in order, then the lanes one by one after the scalar tail, onto the zero the output starts as. The
+// same additions lane by lane, so the same bits, without the ~2 us of a TensorIterator per call (rms_norm's mean,
+// twice a layer).
+float torch_row_sum(const float* x, int64_t width, int64_t lanes) {
+  if (width < lanes) lanes = 1;  // torch sums a row shorter than a vector as scalars, by the same cascade
+  constexpr int64_t LEVELS = 4, ILP = 4;
+  const int64_t vectors = width / lanes, rows = vectors / ILP;
+  const int64_t power = std::max<int64_t>(4, ceil_log2(rows) / LEVELS), step = int64_t(1) << power;
+  float acc[LEVELS][ILP][16] = {};
+  const auto add_row = [&](int64_t i) {
+    for (int64_t k = 0; k < ILP; ++k)
+      for (int64_t l = 0; l < lanes; ++l) acc[0][k][l] += x[(i * ILP + k) * lanes + l];
+  };
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i) add_row(i);
+    for (int64_t level = 1; level < LEVELS; ++level) {
+      for (int64_t k = 0; k < ILP; ++k)
+        for (int64_t l = 0; l < lanes; ++l) acc[level][k][l] += acc[level - 1][k][l], acc[level - 1][k][l] = 0.f;
+      if ((i & ((step - 1) << (level * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) add_row(i);
+  for (int64_t level = 1; level < LEVELS; ++level)
+    for (int64_t k = 0; k < ILP; ++k)
+      for (int64_t l = 0; l < lanes; ++l) acc[0][k][l] += acc[level][k][l];
+  for (int64_t v = rows * ILP; v < vectors; ++v)
+    for (int64_t l = 0; l < lanes; ++l) acc[0][0][l] += x[v * lanes + l];
+  for (int64_t k = 1; k < ILP; ++k)
+    for (int64_t l = 0; l < lanes; ++l) acc[0][0][l] += acc[0][k][l];
+  float total = 0.f;
+  for (int64_t e = vectors * lanes; e < width; ++e) total += x[e];
+  for (int64_t l = 0; l < lanes; ++l) total += acc[0][0][l];
+  return 0.f + total;
+}
+
+}  // namespace
+
+// The lanes with which torch sums a float32 row here (torch_row_sum): 8 on AVX2 CPUs, and on AVX-512 ones too where
+// torch dispatches its sum to AVX2 code (2.13 does), found once by comparing with at::sum on fixed rows of several
+// widths; 0 if neither 8 nor 16 gives its bits (another torch), and rms_norm then calls torch's mean.
+int64_t torch_sum_lanes() {
+  static const int64_t found = [] {
+    for (const int64_t lanes : {8, 16}) {
+      bool same = true;
+      for (const int64_t width : {7, 64, 576, 1536, 5000, 30000}) {
+        std::vector<float> row(width);
+        for (int64_t j = 0; j < width; ++j) row[j] = static_cast<float>((j * 2654435761u) % 10007) / 97.f + 1e-3f;
+        const float theirs = at::from_blob(row.data(), {width}, at::kFloat).sum().item<float>();
+        same = same && torch_row_sum(row.data(), width, lanes) == theirs;
+      }
+      if (same) return lanes;
+    }
+    return int64_t(0);
+  }();
+  return found;
+}
+
+// transformers' LlamaRMSNorm, w * (x * rsqrt(mean(x^2) + eps)), each step rounded as torch rounds it: the mean is
+// torch's sum / width, as torch's CPU mean computes it (by hand where torch_sum_lanes knows torch's order, else
+// torch's own); pow(x, 2) is x * x and rsqrt is 1 / sqrt in torch too.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "rms_norm takes float32 inputs and weights");
+  const at::Tensor in = x.contiguous();
+  const int64_t width = in.size(-1), rows = in.numel() / width;
+  TORCH_CHECK(weight.numel() == width, "rms_norm: ", weight.numel(), " weights for rows of ", width);
+  at::Tensor out = at::empty_like(in);
+  std::vector<float> squares(width);
+  const float *xs = in.data_ptr<float>(), *w = weight.data_ptr<float>(), e = static_cast<float>(eps);
+  float* os = out.data_ptr<float>();
+  const int64_t lanes = torch_sum_lanes();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = xs + r * width;
+    for (int64_t j = 0; j < width; ++j) squares[j] = row[j] * row[j];
+    const float mean = lanes > 0 ? torch_row_sum(squares.data(), width, lanes) / static_cast<float>(width)
+                                 : at::from_blob(squares.data(), {width}, at::kFloat).mean().item<float>();
+    const float scale = 1.f / std::sqrt(mean + e);
+    for (int64_t j = 0; j < width; ++j) os[r * width + j] = w[j] * (row[j] * scale);
+  }
+  return out;
+}
+
+namespace {
+
+// A float32 result as a cache of type T keeps it: itself, or float16 rounded to nearest even as torch's copy_ rounds.
+inline void store(float* to, float value) { *to = value; }
+inline void store(at::Half* to, float value) {
+  const uint16_t bits = _cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT);
+  std::memcpy(to, &bits, sizeof bits);
+}
+
+// The heads a stacked q, k, v matmul's output [1, M, F] holds from feature `from` on, as [1, H, M, head_dim].
+Heads<float> heads_in(const at::Tensor& qkv, int64_t from, int64_t head_dim) {
+  return {qkv.data_ptr<float>() + from, 0, head_dim, qkv.size(-1)};
+}
+
+// A cache buffer [1, Hkv, capacity, D] from position `start` on.
+template <typename T>
+Heads<T> heads_at(const at::Tensor& buffer, int64_t start) {
+  return {buffer.data_ptr<T>() + start * buffer.stride(2), 0, buffer.stride(1), buffer.stride(2)};
+}
+
+// transformers' apply_rotary_pos_emb for one of q and k, x * cos + rotate_half(x) * sin with each product rounded
+// before the sum as torch rounds them, for `heads` heads of `rows` rows into out (float32, or a float16 cache as
+// store rounds). cos, sin: [rows, dim] contiguous.
+template <typename T>
+void rotate_into(const Heads<float>& x, int64_t heads, int64_t rows, int64_t dim, const float* cos, const float* sin,
+                 const Heads<T>& out) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *in = x.at(0, h, r), *cr = cos + r * dim, *sr = sin + r * dim;
+      T* o = out.at(0, h, r);
+      for (int64_t d = 0; d < half; ++d) store(o + d, in[d] * cr[d] + -in[d + half] * sr[d]);
+      for (int64_t d = half; d < dim; ++d) store(o + d, in[d] * cr[d] + in[d - half] * sr[d]);
+    }
+}
+
+// The heads of qkv [1, M, F] from feature `from` on, rotated, as a new [1, heads, M, head_dim] tensor.
+at::Tensor rotated(const at::Tensor& qkv, int64_t from, int64_t heads, int64_t head_dim, const at::Tensor& cos,
+                   const at::Tensor& sin) {
+  const int64_t rows = qkv.size(1);
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * head_dim,
+              "rotary: a contiguous matmul output and cos, sin of [rows, head_dim]");
+  at::Tensor out = at::empty({1, heads, rows, head_dim}, qkv.options());
+  rotate_into(heads_in(qkv, from, head_dim), heads, rows, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>(),
+              heads_of<float>(out));
+  return out;
+}
+
+// A layer's new keys (rotated) and values from qkv [1, M, F] (from feature qf on) into its cache buffers at `start`.
+void write_keys_values(const at::Tensor& qkv, int64_t qf, int64_t head_dim, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values, int64_t start) {
+  const int64_t kv_heads = keys.size(1), rows = qkv.size(1);
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * head_dim &&
+                  keys.stride(3) == 1 && values.stride(3) == 1 && keys.size(2) >= start + rows &&
+                  values.sizes() == keys.sizes(),
+              "write_keys_values: a contiguous matmul output, cos and sin [rows, head_dim], buffers with room");
+  const auto write = [&](auto element) {
+    using T = decltype(element);
+    rotate_into(heads_in(qkv, qf, head_dim), kv_heads, rows, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                heads_at<T>(keys, start));
+    const Heads<float> from = heads_in(qkv, qf + kv_heads * head_dim, head_dim);
+    const Heads<T> to = heads_at<T>(values, start);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < head_dim; ++d) store(to.at(0, h, r) + d, from.at(0, h, r)[d]);
+  };
+  if (keys.scalar_type() == at::kHalf) write(at::Half());
+  else write(0.f);
+}
+
+// Features [from, from + width) of a stacked q, k, v matmul's output [1, M, F] as heads [1, H, M, head_dim] (a view).
+at::Tensor split_heads(const at::Tensor& qkv, int64_t from, int64_t width, int64_t head_dim) {
+  return qkv.narrow(-1, from, width).view({1, qkv.size(1), -1, head_dim}).transpose(1, 2);
+}
+
+// h += y, in place (the residual stream: h + y is y + h, the same rounding either way).
+void add_into(at::Tensor& h, const at::Tensor& y) {
+  TORCH_CHECK(h.is_contiguous() && y.sizes() == h.sizes(), "add_into: a contiguous h and a y of its shape");
+  const at::Tensor ys = y.contiguous();
+  float* hs = h.data_ptr<float>();
+  const float* add = ys.data_ptr<float>();
+  for (int64_t i = 0; i < h.numel(); ++i) hs[i] += add[i];
+}
+
+// transformers' LlamaMLP's act_fn(gate) * up from the stacked gate and up outputs [.., 2 * inner]: torch's own SiLU
+// (its exp), the product by hand.
+at::Tensor gated(const at::Tensor& gate_up) {
+  const int64_t inner = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
+  at::Tensor act = at::silu(gate_up.narrow(-1, 0, inner)).contiguous();
+  const float* up = gate_up.data_ptr<float>() + inner;
+  float* a = act.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < inner; ++j) a[r * inner + j] *= up[r * 2 * inner + j];
+  return act;
+}
+
+}  // namespace
+
+// Two norms; codes, scales, mins of q, k and v stacked (one matmul), o, gate and up stacked, down.
+constexpr int64_t LAYER_TENSORS = 2 + 4 * 3;
+
+// transformers' LlamaModel after the embedding and the rotary tables (its decoder layers and final norm) over M new
+// tokens, op for op as transformers runs them on the engine's kernels (Q4_1 linear layers, fixed-order attention),
+// so that every output has the very same bits, without Python between the ~40 ops of a layer.
+// embeddings [1, M, E]; cos, sin [1, M, head_dim]; mask as attention() takes it (absent: causal); weights: per
+// layer LAYER_TENSORS tensors (input norm, post-attention norm, then the groups of each matmul); caches: per
+// layer key and value buffers [1, Hkv, capacity, head_dim] (float32 or float16) with room for start + M positions,
+// written at start.
+// Returns the final-norm hidden states [1, M, E], then the inputs of the layers listed in `capture`, in its order.
+std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
+                                      const std::optional<at::Tensor>& mask, const c10::intrusive_ptr<Weights>& held,
+                                      at::TensorList caches, const at::Tensor& final_norm, int64_t start,
+                                      int64_t head_dim, double eps, double scale, at::IntArrayRef capture,
+                                      bool int8) {
+  const std::vector<at::Tensor>& weights = held->tensors;
+  const int64_t layers = static_cast<int64_t>(caches.size()) / 2, rows = embeddings.size(1), end = start + rows;
+  TORCH_CHECK(embeddings.dim() == 3 && embeddings.size(0) == 1, "llama_forward takes embeddings [1, M, E]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS,
+              "llama_forward: ", LAYER_TENSORS, " weight tensors per layer, got ", weights.size(), " for ", layers);
+  for (const at::Tensor& buffer : caches)
+    TORCH_CHECK(buffer.dim() == 4 && buffer.size(2) >= end, "llama_forward: a cache buffer holds fewer than ", end,
+                " positions");
+  std::vector<at::Tensor> out(1 + capture.size());
+  at::Tensor h = embeddings.contiguous().clone();  // the residual stream, added to in place
+  const at::Tensor cos_rows = cos.contiguous(), sin_rows = sin.contiguous();  // themselves, as the tables come
+  const std::vector<Visible> visible = visible_rows(mask, 1, rows, end);  // the same in every layer
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    for (size_t i = 0; i < capture.size(); ++i)
+      if (capture[i] == layer) out[1 + i] = h.clone();
+    const at::Tensor* w = weights.data() + layer * LAYER_TENSORS;
+    const auto project = [&](int which, const at::Tensor& x) {
+      const at::Tensor &codes = w[2 + 3 * which], &scales = w[3 + 3 * which], &mins = w[4 + 3 * which];
+      return int8 ? q4_1_int8_linear(x, codes, scales, mins, std::nullopt, scales.size(0) * LANES)
+                  : q4_1_linear(x, codes, scales, mins, std::nullopt);
+    };
+    const at::Tensor &keys = caches[2 * layer], &values = caches[2 * layer + 1];
+    const at::Tensor qkv = project(0, rms_norm(h, w[0], eps));  // each feature as q_proj, k_proj or v_proj gives it
+    const int64_t kv = keys.size(1) * head_dim, qf = qkv.size(-1) - 2 * kv;
+    const at::Tensor q = rotated(qkv, 0, qf / head_dim, head_dim, cos_rows, sin_rows);
+    write_keys_values(qkv, qf, head_dim, cos_rows, sin_rows, keys, values, start);
+    const at::Tensor attended = attend(q, keys.slice(2, 0, end), values.slice(2, 0, end), visible, scale);
+    add_into(h, project(1, attended.reshape({1, rows, -1})));
+    add_into(h, project(3, gated(project(2, rms_norm(h, w[1], eps)))));
+  }
+  for (size_t i = 0; i < capture.size(); ++i)
+    TORCH_CHECK(out[1 + i].defined(), "llama_forward: no layer ", capture[i], " to capture");
+  out[0] = rms_norm(h, final_norm, eps);
+  return out;
+}
+
+constexpr int64_t HEAD_TENSORS = 3 + 4 * 2;  // three norms; codes and scales of q, k and v stacked, o, gate and up
+                                             // stacked, down
+
+// The EAGLE-3 head's decoder layer (engine/draft/eagle3.py Eagle3Layer with layers.py's Attention and MLP) on Q8_0
+// projections, op for op as the Python modules run it, so drafts come out with the same bits, without Python between
+// its ~35 ops. embeds and hidden [1, T, H]; cos, sin [T, head_dim]; past keys and values [1, Hkv, S, head_dim] or
+// absent; mask bool [1, 1, T, S + T]; weights: input norm, hidden norm, post-attention norm, then the groups of each
+// matmul (each output feature computed as in its own projection). Returns the layer's output [1, T, H] and this
+// call's keys and values.
+std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
+                                     const at::Tensor& sin, const std::optional<at::Tensor>& past_keys,
+                                     const std::optional<at::Tensor>& past_values, const at::Tensor& mask,
+                                     at::TensorList weights, int64_t heads, int64_t head_dim, double eps,
+                                     bool int8) {
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == HEAD_TENSORS, "eagle3_layer: ", HEAD_TENSORS,
+              " weight tensors, got ", weights.size());
+  TORCH_CHECK(past_keys.has_value() == past_values.has_value(), "eagle3_layer: past keys without values");
+  const int64_t rows = hidden.size(1);
+  const auto project = [&](int which, const at::Tensor& x) {
+    const at::Tensor &codes = weights[3 + 2 * which], &scales = weights[4 + 2 * which];
+    return int8 ? q8_0_int8_linear(x, codes, scales, std::nullopt, scales.size(0) * LANES)
+                : q8_0_linear(x, codes, scales, std::nullopt);
+  };
+  const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(hidden, weights[1], eps)}, -1);
+  const at::Tensor qkv = project(0, x);
+  const int64_t qf = heads * head_dim, kv = (qkv.size(-1) - qf) / 2;
+  const at::Tensor cos_rows = cos.contiguous(), sin_rows = sin.contiguous();
+  const at::Tensor q = rotated(qkv, 0, qf / head_dim, head_dim, cos_rows, sin_rows);
+  const at::Tensor k = rotated(qkv, qf, kv / head_dim, head_dim, cos_rows, sin_rows);
+  const at::Tensor v = split_heads(qkv, qf + kv, kv, head_dim);
+  const at::Tensor keys = past_keys.has_value() ? at::cat({*past_keys, k}, 2) : k;
+  const at::Tensor values = past_values.has_value() ? at::cat({*past_values, v}, 2) : v;
+  // layers.attend: query heads sharing a key/value head become rows of one attention, the mask repeated for each.
+  const int64_t kv_heads = keys.size(1), groups = heads / kv_heads;
+  at::Tensor attended;
+  if (groups == 1) {
+    attended = at::scaled_dot_product_attention(q, keys, values, mask);
+  } else {
+    const at::Tensor grouped = q.reshape({1, kv_heads, groups * rows, head_dim});
+    const at::Tensor repeated = mask.unsqueeze(2).expand({-1, -1, groups, -1, -1}).flatten(2, 3);
+    attended = at::scaled_dot_product_attention(grouped, keys, values, repeated).view({1, heads, rows, head_dim});
+  }
+  const at::Tensor after = hidden + project(1, attended.transpose(1, 2).reshape({1, rows, -1}));
+  return {after + project(3, gated(project(2, rms_norm(after, weights[2], eps)))), k, v};
+}
+
+
+}  // namespace eagle_cpu

@@ -1,0 +1,233 @@
+// CPU kernels whose every output row is a function of its own input row only (AVX2 + FMA, float32; AVX-512 where
+// the CPU has it, with the same bits).
+//
+// Greedy speculative decoding is exact when a tree forward scores each node with the same bits as one-token
+// decoding. Here every output element is computed by one thread with one fixed sequence of operations that does not
+// depend on how many rows share the call, where they sit, or how many threads run:
+//  - grouped_linear: weights kept as GGUF groups of 32 (Q4_1: w = d*q + m, q in 0..15; Q8_0: w = d*q, q int8),
+//    each group dequantized in registers into float32 (the very floats gguf's dequantize gives: d*q is exact, so
+//    fma(q, d, m) rounds once like (d*q) + m) and used at once for up to eight input rows, so the weights are read
+//    and dequantized once per call for each eight rows; for fewer rows, several output features side by side.
+//  - int8 linear layers (kernels="int8"): the same groups against each row's activations rounded to int8, integer
+//    products (exact in any order), then one fixed float sequence per output feature (int8.cpp);
+//  - attention: softmax(q.k * scale + mask) v per (row, head) over the keys the row sees, gathered in key order
+//    first, so masked keys between them (a tree's other branches) change nothing; the query heads that share a
+//    key/value head go through together, and so do the rows of a call (a tree's nodes), each key and value read
+//    from memory once for all of them; keys and values float32 or float16 (widened exactly on load).
+// Then two whole forwards built from those and torch's own ops, in transformers' order (engine/model/fused.py): a q4
+// Llama's decoder (llama_forward) and an EAGLE-3 head's layer (eagle3_layer), without Python between their ops.
+//
+// One job a file, all in namespace eagle_cpu, each file's own helpers in an anonymous namespace inside it:
+//   kernels.h      what the files share: vector helpers, the 8- and 16-lane traits, the switches, the entry points
+//   linear.cpp     grouped_linear: Q4_1 and Q8_0 groups against float32 rows (q4_1_linear, q8_0_linear)
+//   int8.cpp       the same groups against int8 rows (quantize_rows, the AVX2 and AVX-512 VNNI tiles)
+//   attention.cpp  the fixed-order attention (visible_rows, attend, attention)
+//   forward.cpp    rms_norm, rotary, the residual stream, llama_forward and eagle3_layer
+//   ops.cpp        the switches (set_wide, set_vnni) and the torch.ops.eagle_cpu registration
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace eagle_cpu {
+
+constexpr int64_t GROUP = 32;  // weights per quantization group
+constexpr int64_t LANES = 16;  // output features per int8 tile, one a lane (engine/model/quant.py TILE)
+
+// Whether the linear layers and the attention take their AVX-512 path, and the int8 layers their AVX-512 VNNI one:
+// on where the CPU has it; eagle_cpu::set_wide and set_vnni (ops.cpp) turn them off for tests.
+extern bool use_wide;
+extern bool use_vnni;
+
+inline float hsum(__m256 v) {  // one fixed order: halves, then pairs, then the last two lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The AVX-512 code: each function that uses its intrinsics carries the target, and runs only where
+// use_wide (use_vnni) says the CPU has it.
+#define WIDE __attribute__((target("avx512f,avx512dq")))
+
+// Keys and values are float32 or float16 (the engine's KV cache, engine/model/cache.py), and so are the int8 layers' group
+// scales and mins (float16): eight or sixteen of them widened to float32 exactly, so a float16 cache gives the very
+// bits of a float32 one holding the same rounded values.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+WIDE inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+WIDE inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+WIDE inline __m128i two_halves(const void* low, const void* high) {  // 8 bytes from each
+  int64_t a, b;
+  std::memcpy(&a, low, 8);
+  std::memcpy(&b, high, 8);
+  return _mm_set_epi64x(b, a);
+}
+
+WIDE inline __m512 halves(float low, float high) {
+  return _mm512_insertf32x8(_mm512_set1_ps(low), _mm256_set1_ps(high), 1);
+}
+
+// ---- 8 and 16 lanes ----
+//
+// The AVX-512 paths make, lane for lane, the very operations of the 8-lane (AVX2) ones, so a result has the same
+// bits on either path and on any x86 CPU (tests/test_quant.py and tests/test_attention.py compare them). Where the
+// two have the same shape they share one template body over a lane trait, Lanes8 or Lanes16, and differ only in the
+// intrinsics the trait wraps. A Lanes16 vector is two 8-lane blocks: where the 8-lane path gives a vector to one
+// output feature, the 16-lane one puts two side by side, block k the 8-lane path's vector of feature k.
+//
+// GCC cannot give one instantiation of a template its own target, and it cannot inline a function with a target
+// into one without it (an always_inline one is an error). So Lanes16's functions carry the target but not
+// always_inline, and each 16-lane entry point is WIDE_FLAT: the target, and flatten, which inlines the template body
+// and every Lanes16 call in it, so the whole is AVX-512 code without calls. GCC notes (-Wpsabi) that such a body,
+// compiled on its own without the target, passes 16-lane vectors to and from Lanes16 with another ABI than
+// AVX-512 code; the note is off in the files that include this header: no such call survives the inlining, and no
+// function the files share takes or returns a vector.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#define WIDE_FLAT __attribute__((target("avx512f,avx512dq"), flatten))
+#define LANE_OP __attribute__((always_inline)) static
+
+struct Lanes8 {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int lanes = 8, blocks = 1;
+  LANE_OP F zero() { return _mm256_setzero_ps(); }
+  LANE_OP F set1(float v) { return _mm256_set1_ps(v); }
+  LANE_OP F load(const float* p) { return load8(p); }
+  LANE_OP F load(const at::Half* p) { return load8(p); }
+  LANE_OP void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  LANE_OP F add(F a, F b) { return _mm256_add_ps(a, b); }
+  LANE_OP F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  LANE_OP F div(F a, F b) { return _mm256_div_ps(a, b); }
+  LANE_OP F max(F a, F b) { return _mm256_max_ps(a, b); }
+  LANE_OP F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  LANE_OP F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  LANE_OP F round(F v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // 2^n for whole n in float's normal range: n + 127 in the exponent's bits.
+  LANE_OP F pow2(F n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  LANE_OP F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  LANE_OP I shift_right(I v, int bits) { return _mm256_srli_epi32(v, bits); }
+  LANE_OP I and_bits(I v, int mask) { return _mm256_and_si256(v, _mm256_set1_epi32(mask)); }
+  // Blocks: p[0 .. 7] in each; p[k * step] in block k; the 8 bytes from p + k * step widened into block k.
+  LANE_OP F repeat(const float* p) { return _mm256_loadu_ps(p); }
+  LANE_OP F per_block(const float* p, int64_t) { return _mm256_set1_ps(*p); }
+  LANE_OP I widen_u8(const uint8_t* p, int64_t) {  // widened at once: the load folds into it
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  LANE_OP I widen_i8(const int8_t* p, int64_t) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  LANE_OP __m256 block(F v, int) { return v; }  // block k as an 8-lane vector
+};
+
+#define WIDE_LANE_OP WIDE static
+
+struct Lanes16 {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int lanes = 16, blocks = 2;
+  WIDE_LANE_OP F zero() { return _mm512_setzero_ps(); }
+  WIDE_LANE_OP F set1(float v) { return _mm512_set1_ps(v); }
+  WIDE_LANE_OP F load(const float* p) { return load16(p); }
+  WIDE_LANE_OP F load(const at::Half* p) { return load16(p); }
+  WIDE_LANE_OP void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  WIDE_LANE_OP F add(F a, F b) { return _mm512_add_ps(a, b); }
+  WIDE_LANE_OP F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  WIDE_LANE_OP F div(F a, F b) { return _mm512_div_ps(a, b); }
+  WIDE_LANE_OP F max(F a, F b) { return _mm512_max_ps(a, b); }
+  WIDE_LANE_OP F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  WIDE_LANE_OP F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  WIDE_LANE_OP F round(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  WIDE_LANE_OP F pow2(F n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  WIDE_LANE_OP F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  WIDE_LANE_OP I shift_right(I v, int bits) { return _mm512_srli_epi32(v, bits); }
+  WIDE_LANE_OP I and_bits(I v, int mask) { return _mm512_and_si512(v, _mm512_set1_epi32(mask)); }
+  WIDE_LANE_OP F repeat(const float* p) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(p)); }
+  WIDE_LANE_OP F per_block(const float* p, int64_t step) { return halves(p[0], p[step]); }
+  WIDE_LANE_OP I widen_u8(const uint8_t* p, int64_t step) { return _mm512_cvtepu8_epi32(two_halves(p, p + step)); }
+  WIDE_LANE_OP I widen_i8(const int8_t* p, int64_t step) { return _mm512_cvtepi8_epi32(two_halves(p, p + step)); }
+  WIDE_LANE_OP __m256 block(F v, int k) { return k ? _mm512_extractf32x8_ps(v, 1) : _mm512_castps512_ps256(v); }
+};
+
+#undef LANE_OP
+#undef WIDE_LANE_OP
+
+// ---- what the files take from each other ----
+
+template <typename T>
+struct Heads {  // strided [B, H, L, D] views, D contiguous
+  T* data;
+  int64_t batch, head, pos;
+  T* at(int64_t b, int64_t h, int64_t p) const { return data + b * batch + h * head + p * pos; }
+};
+
+template <typename T>
+Heads<T> heads_of(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == c10::CppTypeToScalarType<T>::value && t.dim() == 4 && t.stride(3) == 1,
+              "attention takes float32 queries and float32 or float16 keys and values [B, heads, length, head_dim] "
+              "with a contiguous last dimension");
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// linear.cpp: x [.., in] against Q4_1 or Q8_0 groups [out_features, ..] (+ bias), float32 [.., out_features].
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias);
+
+// int8.cpp: the same on int8 activations, the groups repacked (engine/model/quant.py repack).
+at::Tensor q4_1_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            const at::Tensor& mins, const std::optional<at::Tensor>& bias, int64_t out_features);
+at::Tensor q8_0_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& bias, int64_t out_features);
+
+// attention.cpp
+// The keys one query row sees, in key order, with their additive mask values: the same for every head of the row.
+struct Visible {
+  std::vector<int64_t> keys;
+  std::vector<float> bias;
+  int64_t count() const { return static_cast<int64_t>(keys.size()); }
+};
+std::vector<Visible> visible_rows(const std::optional<at::Tensor>& mask, int64_t batch, int64_t rows, int64_t length);
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  const std::vector<Visible>& visible, double scale);
+at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     const std::optional<at::Tensor>& mask, double scale);
+
+// forward.cpp
+// A model's weight tensors, handed to the kernels once (engine.model.fused) rather than as a list of hundreds with every
+// call: converting that list took ~0.1 ms a forward.
+struct Weights : torch::CustomClassHolder {
+  std::vector<at::Tensor> tensors;
+  explicit Weights(std::vector<at::Tensor> held) : tensors(std::move(held)) {}
+};
+int64_t torch_sum_lanes();
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
+                                      const std::optional<at::Tensor>& mask, const c10::intrusive_ptr<Weights>& held,
+                                      at::TensorList caches, const at::Tensor& final_norm, int64_t start,
+                                      int64_t head_dim, double eps, double scale, at::IntArrayRef capture,
+                                      bool int8);
+std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
+                                     const at::Tensor& sin, const std::optional<at::Tensor>& past_keys,
+                                     const std::optional<at::Tensor>& past_values, const at::Tensor& mask,
+                                     at::TensorList weights, int64_t heads, int64_t head_dim, double eps,
+                                     bool int8);
+
+}  // namespace eagle_cpu

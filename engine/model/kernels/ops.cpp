@@ -1,0 +1,70 @@
+// The switches between the instruction-set paths, and the kernels' registration as torch.ops.eagle_cpu.
+#include "kernels.h"
+
+#include <torch/library.h>
+
+namespace eagle_cpu {
+
+namespace {
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return has;
+}
+
+bool cpu_has_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+}  // namespace
+
+bool use_wide = cpu_has_avx512();  // eagle_cpu::set_wide turns it off for tests
+bool use_vnni = cpu_has_vnni();    // eagle_cpu::set_vnni turns it off for tests
+
+namespace {
+
+// Whether the linear layers take the AVX-512 path; returns whether they now do (never on a CPU without it).
+bool set_wide(bool wide) {
+  use_wide = wide && cpu_has_avx512();
+  return use_wide;
+}
+
+// Whether the int8 layers take the AVX-512 VNNI path; returns whether they now do (never on a CPU without it).
+bool set_vnni(bool vnni) {
+  use_vnni = vnni && cpu_has_vnni();
+  return use_vnni;
+}
+
+}  // namespace
+}  // namespace eagle_cpu
+
+TORCH_LIBRARY(eagle_cpu, m) {
+  m.def("set_wide(bool wide) -> bool", &eagle_cpu::set_wide);
+  m.def("set_vnni(bool vnni) -> bool", &eagle_cpu::set_vnni);
+  m.def("q4_1_int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias, int out_features) -> Tensor");
+  m.def("q8_0_int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("q4_1_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("torch_sum_lanes() -> int", &eagle_cpu::torch_sum_lanes);
+  m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+  m.class_<eagle_cpu::Weights>("Weights").def(torch::init<std::vector<at::Tensor>>());
+  m.def("llama_forward(Tensor embeddings, Tensor cos, Tensor sin, Tensor? mask, "
+        "__torch__.torch.classes.eagle_cpu.Weights weights, Tensor[] caches, "
+        "Tensor final_norm, int start, int head_dim, float eps, float scale, int[] capture, bool int8) -> Tensor[]");
+  m.def("eagle3_layer(Tensor embeds, Tensor hidden, Tensor cos, Tensor sin, Tensor? past_keys, Tensor? past_values, "
+        "Tensor mask, Tensor[] weights, int heads, int head_dim, float eps, bool int8) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
+  m.impl("q4_1_linear", &eagle_cpu::q4_1_linear);
+  m.impl("q8_0_linear", &eagle_cpu::q8_0_linear);
+  m.impl("q4_1_int8_linear", &eagle_cpu::q4_1_int8_linear);
+  m.impl("q8_0_int8_linear", &eagle_cpu::q8_0_int8_linear);
+  m.impl("rms_norm", &eagle_cpu::rms_norm);
+  m.impl("attention", &eagle_cpu::attention);
+  m.impl("llama_forward", &eagle_cpu::llama_forward);
+  m.impl("eagle3_layer", &eagle_cpu::eagle3_layer);
+}
