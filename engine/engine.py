@@ -54,6 +54,7 @@ class Description:
     tensor_types: dict[str, int]  # a GGUF base's tensors by type
     head: str | None
     head_kind: str | None
+    head_layout: str | None  # the checkpoint layout it was read from: official, specforge or speculators
     kernels: str  # "int8", "q4" or "float"
     fused: bool  # the whole decoder in one kernel call (the fast exact path)
     why_not_fused: str | None
@@ -71,7 +72,8 @@ class Description:
 
     def lines(self) -> list[str]:
         types = ", ".join(f"{count} {kind}" for kind, count in self.tensor_types.items())
-        head = f"{self.head} ({self.head_kind}, official EAGLE layout)" if self.head else "none: plain decoding only"
+        head = (f"{self.head} ({self.head_kind}, {self.head_layout} layout)" if self.head
+                else "none: plain decoding only")
         prompts = "chat template" if self.chats else "no chat template: completes plain text"
         return [f"base: {self.base} ({self.architecture}{'; ' + types if types else ''}; {prompts})",
                 f"head: {head}",
@@ -200,6 +202,7 @@ class Engine:
             base=self.sources.base, architecture=config.model_type,
             tensor_types=gguf_tensor_types(self.sources.gguf) if self.sources.gguf else {},
             head=self.sources.head, head_kind=self.head.kind if self.head is not None else None,
+            head_layout=self.head.layout if self.head is not None else None,
             kernels=self.kernels, fused=self.target.fused is not None,
             why_not_fused=None if self.target.fused is not None else why_not_fused(self.model),
             threads=torch.get_num_threads(), device=str(self.target.device), dtype=str(self.model.dtype).split(".")[-1],

@@ -29,8 +29,8 @@ class FusedEagle3:
     @classmethod
     def of(cls, head) -> FusedEagle3 | None:
         """A FusedEagle3 for `head` if eagle3_layer computes exactly what its modules compute (QuantLinears exist
-        only where engine/model/kernels built)."""
-        if not isinstance(head, Eagle3Head):
+        only where engine/model/kernels built); the kernel adds the raw hidden state back, as the official layer does."""
+        if not isinstance(head, Eagle3Head) or head.midlayer.norm_before_residual:
             return None
         projections = [head.midlayer.get_submodule(name) for name in PROJECTIONS]
         return cls(head) if stackable(projections, "Q8_0") else None

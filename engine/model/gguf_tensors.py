@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -109,6 +108,8 @@ def gguf_tensor_types(path: Path) -> dict[str, int]:
 
 
 def _type_name(kind: int) -> str:
+    from gguf import GGMLQuantizationType  # here: reading the kernels' own types needs no gguf package
+
     try:
         return GGMLQuantizationType(kind).name
     except ValueError:

@@ -62,7 +62,7 @@ TILE = 16  # output features per tile of the int8 kernels: one a vector lane
 
 @dataclass
 class Repacked:
-    """Groups as the int8 kernels read them (engine/model/kernels/cpu.cpp, "int8 activations"): output features in tiles of
+    """Groups as the int8 kernels read them (engine/model/kernels/int8.cpp): output features in tiles of
     16, padded with zero weights; for each tile and group, chunks of 4 consecutive weights of the 16 features (codes
     [tiles, in/32, chunks, 16, 4]: Q4_1 4 chunks of nibble pairs, byte k of chunk c holding weights 4c + k and
     4c + k + 16 as GGUF's byte 4c + k does; Q8_0 8 chunks of int8), scales and mins [tiles, in/32, 16] in float16,

@@ -27,7 +27,8 @@ Methods:
 On the CPU the engine's linear layers are packed for oneDNN (engine/model/packed.py; --no-pack turns that off), so
 hf and hf-pld get a second, unpacked copy of the model: they measure transformers itself.
 
-Each question's first turn goes through the chat template. Methods alternate question by question, in an order
+Each question's first turn goes through the chat template (a model without one, or --no-chat-template, continues
+it as plain text). Methods alternate question by question, in an order
 that rotates per question, so a noisy machine slows them all alike; each method first runs one short untimed
 warm-up generation.
 
@@ -59,19 +60,19 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from ..draft.checkpoint import DEFAULT_HEAD
-from ..engine import Engine
-from ..model.load import DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, auto_dtype, load_base
-from ..decode.params import METHODS as ENGINE_METHODS
-from .progress import progress_bar
 from ..decode.params import DYNAMIC_TREE_OPTIONS, DecodeParams
+from ..decode.params import METHODS as ENGINE_METHODS
+from ..draft.checkpoint import DEFAULT_HEAD
 from ..draft.tree import TREES, DynamicTree
-from ..draft.corpus import add_corpus_argument, parse_corpus
-from ..model.quant import GROUPED, KERNELS, KERNELS_HELP, gguf_file
+from ..engine import Engine
+from ..model.load import DTYPES, auto_dtype, load_base
+from ..model.quant import GROUPED, gguf_file
+from ..options import LoadOptions
 from .costs import verification_curve
 from ..draft.export_gguf import cached_export
 from ..model.gguf_cache import cache_root
 from .llamacpp import EAGLE3_METHOD, Eagle3Draft, LlamaCpp, decode_tokens_per_s, eagle3_notes, eagle3_summary
+from .progress import progress_bar
 from .report import add_speedups, exactness_warnings, plot, print_table, summarize
 from .runs import SHARED_QUESTIONS, Run, first_turn_prompts, load_questions, run_engine, run_hf
 
@@ -166,20 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--temperature", type=float, default=0.0, help="0 = greedy")
     add("--seed", type=int, default=None, help="sampling seed, set before every generation")
     add("--methods", default=",".join(METHODS), help="comma-separated list")
-    add("--base", default=None,
-        help="base model: .gguf file, folder or hub id; unset = the embedded SmolLM2-135M-Instruct")
-    add("--head", default="default", help="draft head folder or hub id; 'default' = the shipped head, 'none' = no head")
+    LoadOptions.add_arguments(parser, only=("base", "head", "dtype", "device", "quantization", "kernels", "corpus",
+                                            "chat_template", "pack", "follow_load"))
     add("--compare-head", action="append", default=[], metavar="NAME=HEAD",
         help="also run the engine with this head, as method NAME (repeatable)")
-    add("--dtype", default="auto", choices=["auto", *DTYPES],
-        help="dtype of the base model; auto: bfloat16 on a CPU with native bf16, else float32")
     add("--llamacpp-draft-max", type=int, default=1, metavar="N",
         help=f"tokens {EAGLE3_METHOD} drafts a round (llama.cpp's speculative n_max)")
     add("--hf-dtype", choices=list(DTYPES),
         help="dtype for hf and hf-pld (default: the engine's; beside the q4 kernels, bfloat16 on a CPU with native "
              "bf16, else float32)")
-    add("--device", default=DEFAULT_DEVICE, help="cpu, cuda, cuda:N, or auto (GPUs if any, else the CPU)")
-    add("--quantization", default="none", choices=QUANTIZATIONS, help="bitsandbytes weights")
     add("--tree", default="dynamic", choices=list(TREES), help="EAGLE-2 dynamic or EAGLE-1 static")
     add("--total-tokens", type=int, help=f"dynamic tree nodes incl. root (default {tree.total_tokens})")
     add("--depth", type=int, help=f"dynamic tree expansion steps (default {tree.depth})")
@@ -188,17 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"{tree.min_prob})")
     add("--no-suffix", dest="context", action="store_false",
         help="eagle drafts with the head alone, without the context's continuations")
-    add("--kernels", default="auto", choices=list(KERNELS), help=KERNELS_HELP)
-    add_corpus_argument(parser)
-    add("--no-pack", dest="pack", action="store_false",
-        help="keep the engine's CPU linear layers as transformers has them (no oneDNN packing)")
     add("--verify-curve", default=None, metavar="SIZES",
         help="instead of the methods: time one verification forward of each comma-separated tree size (1 = a plain "
              "step) over a filled cache (--verify-cache), and print the curve")
     add("--verify-cache", default="300", metavar="TOKENS",
         help="with --verify-curve: comma-separated cache lengths to measure the curve over (default 300)")
-    add("--fixed-threads", dest="follow_load", action="store_false",
-        help="keep torch's thread count fixed instead of giving threads up to busy processes (engine/model/threads.py)")
     add("--busy", type=float, default=0, metavar="N",
         help="run N competing busy processes (a `while True` loop each) during the timed generations, to measure "
              "decoding on a loaded machine; a fractional part is one more process busy that share of the time, in "
@@ -229,10 +219,9 @@ def check_args(args: argparse.Namespace) -> Setup:
 def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
     """The engine under each of ENGINE_METHODS and eagle-gated (those two only with a head), and one per
     --compare-head name; setup.methods loses them when there is no head and gains the compared heads' names."""
-    head = None if args.head.lower() == "none" else args.head
-    engine = Engine.load(args.base, head, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                         pack=args.pack, follow_load=args.follow_load, kernels=args.kernels,
-                         corpus=parse_corpus(args.corpus))
+    # Every method prefills each prompt in full, the one after another's too.
+    options = LoadOptions.from_args(args, reuse_prefixes=False)
+    engine = Engine.from_options(options)
     engines = dict.fromkeys((*ENGINE_METHODS, GATED), engine)
     for name, compare_head in setup.compare_heads.items():
         try:
@@ -242,14 +231,12 @@ def load_engines(args: argparse.Namespace, setup: Setup) -> dict[str, Engine]:
         setup.methods.append(name)
     for method in ("eagle", GATED):
         if method in setup.methods and engine.head is None:
-            reason = ("--head none" if head is None
+            reason = ("--head none" if options.head is None
                       else f"the shipped head {DEFAULT_HEAD} is missing or not for this base")
             print(f"note: skipping method {method}: no draft head ({reason}); pass --head FOLDER", file=sys.stderr)
             setup.methods.remove(method)
     if not setup.methods:
         raise ValueError("no method left to run")
-    for each in engines.values():  # every method prefills each prompt in full, the one after another's too
-        each.prefixes = None
     return engines
 
 

@@ -110,10 +110,10 @@ MUTANTS = [
     Mutant("prefix-past-mismatch", "engine/decode/prefixes.py", "            if ours != theirs:\n                break\n",
            "            if ours != theirs:\n                continue\n", (PREFIXES,),
            "a kept prefix counts the tokens after the first difference as shared"),
-    Mutant("int8-truncates", "engine/model/kernels/cpu.cpp",
+    Mutant("int8-truncates", "engine/model/kernels/int8.cpp",
            "_mm256_cvttps_epi32(_mm256_round_ps(scaled, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC))",
            "_mm256_cvttps_epi32(scaled)", (QUANT,), "int8 activations truncated instead of rounded to nearest even"),
-    Mutant("attention-sees-masked-keys", "engine/model/kernels/cpu.cpp",
+    Mutant("attention-sees-masked-keys", "engine/model/kernels/attention.cpp",
            "std::count_if(row, row + length, [](float b) { return b > -FLT_MAX; }));  // no regrowing\n"
            "    seen.bias.resize(seen.keys.size());\n    for (int64_t j = 0, n = 0; j < length; ++j)\n"
            "      if (row[j] > -FLT_MAX) seen.keys[n] = j, seen.bias[n++] = row[j];",

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..model.load import load_base, load_tokenizer
-from ..model.quant import KERNELS
+from ..options import LoadOptions
 from .data import TURNS
 from .fit import FitConfig
 
@@ -19,12 +19,10 @@ SMOKE = {"limit": 6, "max_new_tokens": 24, "max_prompt_tokens": 96, "batch_size"
 
 
 def _base_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base", default=None, help="base model: .gguf, folder or hub id (default: embedded SmolLM2)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    """The base model's load flags, as the engine declares them: replies, features and targets come from the model
+    the engine decodes."""
+    LoadOptions.add_arguments(parser, only=("base", "device", "kernels"))
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
-    parser.add_argument("--kernels", choices=KERNELS, default="auto", help="the base model's CPU kernels, as "
-                        "Engine.load takes them (auto: int8 for a GGUF base, the engine's default): replies, "
-                        "features and targets come from the model the engine decodes; float: transformers' layers")
 
 
 def _data_args(parser: argparse.ArgumentParser) -> None:
@@ -114,8 +112,6 @@ def run_import(args: argparse.Namespace) -> None:
 
 
 def _slice_args(parser: argparse.ArgumentParser) -> None:
-    from ..options import LoadOptions
-
     LoadOptions.add_arguments(parser, only=("base",))
     parser.add_argument("--head", required=True, help="EAGLE-3 head folder or hub id (official layout)")
     parser.add_argument("--data", nargs="+", required=True, help="data folders or record files (.npz), or folders "
@@ -206,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
             setattr(args, key, value)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
+    if getattr(args, "device", None) == "auto":  # training runs on one device: the first GPU, else the CPU
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.command == "data":
         run_data(args, Path(args.out))
     elif args.command == "fit":
