@@ -137,6 +137,18 @@ def test_the_shipped_head_reads_back_tensor_for_tensor(tmp_path):
     assert_matches_checkpoint(out, DEFAULT_HEAD, [2, 15, 27], tokens)  # SmolLM2-135M has 30 layers
 
 
+def test_a_specforge_head_names_its_fused_layers_as_layer_inputs(tiny, tmp_path):
+    """SpecForge numbers the fused layers as layer outputs; llama.cpp, like the engine, captures layer inputs."""
+    model, target = tiny
+    folder = save_head(random_head(model, "eagle3"), tmp_path / "head")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["LlamaForCausalLMEagle3"],
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 5]})
+    (folder / "config.json").write_text(json.dumps(config))
+    out = export_head(folder, tmp_path / "head.gguf", read_target(target))
+    assert fields(GGUFReader(out))["eagle3.target_layers"] == [2, 4, 6]
+
+
 def test_llamacpp_rope_on_the_reordered_rows_is_hugging_faces_rope():
     """The row order is what makes the head's attention mean the same in llama.cpp: rotating adjacent pairs of the
     reordered projection gives the reordered result of rotating half-apart pairs of the original."""

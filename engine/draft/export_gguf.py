@@ -15,10 +15,12 @@ The layout is the one llama.cpp's own converter writes for an EAGLE-3 checkpoint
             (int64 ABSOLUTE target ids: the checkpoint stores offsets, target = draft + d2t[draft]); token_embd.weight
             only for a head with its own embeddings (else llama.cpp borrows the target's); t2d is not written
 
-Two transformations, both the converter's: attn_q and attn_k rows are permuted per head from the rotate-half RoPE
-layout of Hugging Face Llama to the adjacent-pair layout llama.cpp's RoPE rotates, and d2t becomes absolute. Norms
-are float32, as llama.cpp wants its 1-D tensors; matrices keep the head's dtype (float16 stays float16, float32
-stays float32: the converter's --outtype auto would turn float32 into float16, --outtype f16 here does the same).
+Heads are read as the engine reads them (engine/draft/checkpoint.py: the official, SpecForge and speculators
+layouts), so the fused layers are numbered as layer inputs, which is what llama.cpp captures. Two transformations,
+both the converter's: attn_q and attn_k rows are permuted per head from the rotate-half RoPE layout of Hugging Face
+Llama to the adjacent-pair layout llama.cpp's RoPE rotates, and d2t becomes absolute. Norms are float32, as
+llama.cpp wants its 1-D tensors; matrices keep the head's dtype (float16 stays float16, float32 stays float32: the
+converter's --outtype auto would turn float32 into float16, --outtype f16 here does the same).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import _WEIGHT_FILES, CheckpointError, _kind, _read_weights, _resolve
+from .checkpoint import _WEIGHT_FILES, CheckpointError, _read_weights, _resolve, read_layout
+from .config import HeadConfig
 from .eagle3 import fused_layers
 
 ARCH = "eagle3"
@@ -41,7 +44,6 @@ FORMAT_VERSION = 1  # part of the cache key: bump when the written layout change
 # checkpoint key -> GGUF tensor name (llama.cpp's names for the eagle3 architecture)
 TENSOR_NAMES = {
     "fc.weight": "fc.weight",
-    "input_norm.weight": "enc.output_norm.weight",  # only with norm_before_fc
     "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
     "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
     "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
@@ -123,53 +125,57 @@ def _field_value(field, value_types) -> tuple:
 
 @dataclass(frozen=True)
 class Eagle3Checkpoint:
-    """An EAGLE-3 head as read from its folder: config.json as written, and its tensors."""
+    """An EAGLE-3 head as the engine reads it: its config and its tensors under the official names."""
 
     folder: Path
-    config: dict
+    config: HeadConfig
     state: dict[str, torch.Tensor]
 
 
 def read_eagle3(source: str | Path) -> Eagle3Checkpoint:
-    """Read a head folder (or hub id), refusing any head that is not EAGLE-3 with the file that says so."""
+    """Read a head folder (or hub id) in any layout the engine loads, refusing any head that is not EAGLE-3 with
+    the file that says so."""
     folder = _resolve(source)
     config_file = folder / "config.json"
     try:
-        config = json.loads(config_file.read_text())
+        raw = json.loads(config_file.read_text())
     except FileNotFoundError as err:
         raise ExportError(f"{folder} has no config.json") from err
     except json.JSONDecodeError as err:
         raise ExportError(f"{config_file} is not valid JSON: {err}") from err
     state = _read_weights(folder)
     weights = next(folder / name for name in _WEIGHT_FILES if (folder / name).exists())
-    if _kind(config, state) != "eagle3":
-        raise ExportError(f"{weights} is an EAGLE-1 head (layers.* keys, no midlayer.*): llama.cpp has no EAGLE-1 "
-                          "draft loader, only EAGLE-3 (architecture eagle3); export an EAGLE-3 head")
-    unknown = sorted(set(state) - set(TENSOR_NAMES) - NOT_WRITTEN)
+    try:
+        config, state, as_in_file = read_layout(raw, state)
+    except ValueError as err:
+        raise ExportError(f"{config_file}: {err}") from err
+    if config.kind != "eagle3":
+        raise ExportError(f"{weights} is an EAGLE-1 head ({config.layout} layout): llama.cpp has no EAGLE-1 draft "
+                          "loader, only EAGLE-3 (architecture eagle3); export an EAGLE-3 head")
+    unknown = sorted(as_in_file(k) for k in set(state) - set(TENSOR_NAMES) - NOT_WRITTEN)
     if unknown:
-        raise ExportError(f"{weights}: {', '.join(unknown)} have no place in llama.cpp's eagle3 layout (it loads "
-                          f"only {', '.join(sorted(TENSOR_NAMES))})")
+        raise ExportError(f"{weights}: {', '.join(unknown)} have no place in llama.cpp's eagle3 layout")
     return Eagle3Checkpoint(folder, config, state)
 
 
-def target_layers(config: dict, target: Target) -> list[int]:
-    """The fused target layers: the checkpoint's own list where it names one, else the official capture's."""
-    layers = config.get("eagle_aux_hidden_state_layer_ids") or fused_layers(target.num_layers)
-    return [int(layer) for layer in layers]
+def target_layers(config: HeadConfig, target: Target) -> list[int]:
+    """The fused target layers as layer inputs: the head's own where it names them, else the official capture's."""
+    return list(config.target_layers or fused_layers(target.num_layers))
 
 
 def check_target(head: Eagle3Checkpoint, target: Target) -> None:
     """Refuse a target whose width or vocabulary differ from the head's, naming both files."""
     config = head.config
-    width = config.get("target_hidden_size") or config["hidden_size"]
+    width = config.target_hidden_size or config.hidden_size
     problems = []
     if width != target.hidden_size:
         problems.append(f"the head reads features {width} wide, the target's hidden size is {target.hidden_size}")
-    if config["vocab_size"] != target.vocab_size:
-        problems.append(f"head vocab_size {config['vocab_size']} vs the target's {target.vocab_size} tokens")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"head vocab_size {config.vocab_size} vs the target's {target.vocab_size} tokens")
     layers = target_layers(config, target)
-    if len(layers) != 3 or not all(0 <= layer <= target.num_layers for layer in layers):
-        problems.append(f"fused layers {layers} do not fit a target of {target.num_layers} layers")
+    if len(layers) != 3 or max(layers) >= target.num_layers:
+        problems.append(f"fused layers {layers}: llama.cpp fuses the inputs of exactly 3 of the target's "
+                        f"{target.num_layers} layers")
     if problems:
         raise ExportError(f"head {head.folder} does not fit target {target.path}: " + "; ".join(problems))
 
@@ -193,9 +199,7 @@ def absolute_d2t(d2t: torch.Tensor, vocab_size: int, where: Path) -> np.ndarray:
 
 def gguf_tensors(head: Eagle3Checkpoint, target: Target) -> dict[str, torch.Tensor | np.ndarray]:
     """Every tensor under its GGUF name, transformed as llama.cpp reads it (float tensors still torch)."""
-    config = head.config
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
+    heads, kv_heads = head.config.num_attention_heads, head.config.num_key_value_heads
     tensors: dict[str, torch.Tensor | np.ndarray] = {}
     for key, tensor in head.state.items():
         if key in NOT_WRITTEN:
@@ -246,31 +250,28 @@ def write_metadata(writer, head: Eagle3Checkpoint, target: Target) -> None:
     from gguf import GGUFValueType
 
     config = head.config
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer.add_type("model")
     writer.add_name(head.folder.name)
     writer.add_block_count(1)
-    writer.add_context_length(int(config.get("max_position_embeddings") or target.context_length))
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_rope_dimension_count(head_dim)
-    if config.get("head_dim"):
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    scaling = config.get("rope_scaling") or {}
-    if scaling.get("type", scaling.get("rope_type")) == "linear" and scaling.get("factor"):
+    writer.add_context_length(int(config.extra.get("max_position_embeddings") or target.context_length))
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(config.rope_theta))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(config.attention_head_dim)
+    if config.head_dim:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    if config.rope_scaling != 1.0:
         writer.add_string(f"{ARCH}.rope.scaling.type", "linear")
-        writer.add_float32(f"{ARCH}.rope.scaling.factor", float(scaling["factor"]))
+        writer.add_float32(f"{ARCH}.rope.scaling.factor", float(config.rope_scaling))
     writer.add_array(f"{ARCH}.target_layers", target_layers(config, target))
-    writer.add_uint32(f"{ARCH}.target_hidden_size", int(config.get("target_hidden_size") or target.hidden_size))
-    writer.add_bool(f"{ARCH}.norm_before_residual", bool(config.get("norm_before_residual", False)))
-    writer.add_bool(f"{ARCH}.norm_before_fc", bool(config.get("norm_before_fc", False)))
+    writer.add_uint32(f"{ARCH}.target_hidden_size", int(config.target_hidden_size or target.hidden_size))
+    writer.add_bool(f"{ARCH}.norm_before_residual", config.norm_before_residual)
+    writer.add_bool(f"{ARCH}.norm_before_fc", False)  # the head modules have no norm on the fused features
     for key, (value, value_type, sub_type) in target.tokenizer.items():
         writer.add_key_value(key, value, value_type, sub_type=sub_type if value_type == GGUFValueType.ARRAY else None)
 
@@ -282,7 +283,7 @@ def export_head(head_source: str | Path, out: str | Path, target: Target, outtyp
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype {outtype!r}: choose among {', '.join(OUTTYPES)}")
     head = read_eagle3(head_source)
-    if head.config.get("qkv_bias"):
+    if head.config.qkv_bias:
         raise ExportError(f"{head.folder}: llama.cpp's eagle3 has no q/k/v biases (qkv_bias is set)")
     check_target(head, target)
     tensors = gguf_tensors(head, target)
