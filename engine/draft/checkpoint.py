@@ -179,8 +179,9 @@ def read_layout(raw: dict, state: dict[str, torch.Tensor]
     return config, state, as_in_file
 
 
-def load_head(source: str | Path, base_model: nn.Module, dtype: torch.dtype | None = None) -> DraftHead:
-    """Load a head for `base_model` from a folder or hub id, check it fits, and attach the base embeddings."""
+def read_checkpoint(source: str | Path) -> tuple[Path, HeadConfig, dict[str, torch.Tensor], Callable[[str], str]]:
+    """A head folder (or hub id) in any layout: its folder, its config and tensors under the official names, and how
+    the file names each tensor (for error messages)."""
     folder = _resolve(source)
     config_file = folder / "config.json"
     try:
@@ -194,6 +195,12 @@ def load_head(source: str | Path, base_model: nn.Module, dtype: torch.dtype | No
         config, state, as_in_file = read_layout(raw, state)
     except ValueError as err:
         raise CheckpointError(f"{config_file}: {err}") from err
+    return folder, config, state, as_in_file
+
+
+def load_head(source: str | Path, base_model: nn.Module, dtype: torch.dtype | None = None) -> DraftHead:
+    """Load a head for `base_model` from a folder or hub id, check it fits, and attach the base embeddings."""
+    _, config, state, as_in_file = read_checkpoint(source)
     base_name = getattr(base_model.config, "name_or_path", "") or type(base_model).__name__
     own_embeddings = "embed_tokens.weight" in state
     check_fits(config, base_model.config, str(source), base_name, own_embeddings)

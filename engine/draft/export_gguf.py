@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import _WEIGHT_FILES, CheckpointError, _read_weights, _resolve, read_layout
+from ..model.gguf_cache import sha256
+from .checkpoint import _WEIGHT_FILES, CheckpointError, _resolve, read_checkpoint
 from .config import HeadConfig
 from .eagle3 import fused_layers
 
@@ -135,20 +135,8 @@ class Eagle3Checkpoint:
 def read_eagle3(source: str | Path) -> Eagle3Checkpoint:
     """Read a head folder (or hub id) in any layout the engine loads, refusing any head that is not EAGLE-3 with
     the file that says so."""
-    folder = _resolve(source)
-    config_file = folder / "config.json"
-    try:
-        raw = json.loads(config_file.read_text())
-    except FileNotFoundError as err:
-        raise ExportError(f"{folder} has no config.json") from err
-    except json.JSONDecodeError as err:
-        raise ExportError(f"{config_file} is not valid JSON: {err}") from err
-    state = _read_weights(folder)
+    folder, config, state, as_in_file = read_checkpoint(source)
     weights = next(folder / name for name in _WEIGHT_FILES if (folder / name).exists())
-    try:
-        config, state, as_in_file = read_layout(raw, state)
-    except ValueError as err:
-        raise ExportError(f"{config_file}: {err}") from err
     if config.kind != "eagle3":
         raise ExportError(f"{weights} is an EAGLE-1 head ({config.layout} layout): llama.cpp has no EAGLE-1 draft "
                           "loader, only EAGLE-3 (architecture eagle3); export an EAGLE-3 head")
@@ -326,7 +314,7 @@ def cached_export(head_source: str | Path, target_gguf: Path, cache: Path) -> Pa
     for file in [folder / "config.json", *(folder / n for n in _WEIGHT_FILES), target_gguf]:
         if file.exists():
             digest.update(file.name.encode())
-            digest.update(_file_sha256(file).encode())
+            digest.update(sha256(file).encode())
     out = cache / "eagle3-gguf" / f"{folder.name}-{digest.hexdigest()[:20]}.gguf"
     if out.exists():
         return out
@@ -339,14 +327,6 @@ def cached_export(head_source: str | Path, target_gguf: Path, cache: Path) -> Pa
     finally:
         Path(staging).unlink(missing_ok=True)
     return out
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(16 * 2**20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> Path:
