@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.decode.prefixes import PrefixStore
 from engine.engine import Engine, freeze_heap
 
 QUESTIONS = ["Explain how a bicycle works, step by step.", "Now explain its gears in detail.",
@@ -17,12 +16,15 @@ QUESTIONS = ["Explain how a bicycle works, step by step.", "Now explain its gear
              "Summarise everything above in a list.", "Which parts wear out first?"]
 
 
-def chat(engine: Engine, max_new_tokens: int) -> list[tuple[int, float, list[int]]]:
-    """(prompt tokens, prefill ms, answer ids) for each turn of QUESTIONS."""
+def chat(engine: Engine, max_new_tokens: int, keep: bool) -> list[tuple[int, float, list[int]]]:
+    """(prompt tokens, prefill ms, answer ids) for each turn of QUESTIONS; keep=False forgets the kept prefixes
+    before every turn, so each prefills its whole prompt."""
     messages, turns = [], []
     for question in QUESTIONS:
         messages.append({"role": "user", "content": question})
         ids = engine.encode_chat(messages)
+        if not keep:
+            engine.prefixes.entries.clear()
         steps = list(engine.generate(ids, method="vanilla", max_new_tokens=max_new_tokens))
         answer = [token for step in steps for token in step.tokens]
         messages.append({"role": "assistant", "content": engine.tokenizer.decode(answer, skip_special_tokens=True)})
@@ -38,10 +40,8 @@ def main() -> None:
     freeze_heap()
     if engine.prefixes is None:
         sys.exit("this engine is not batch-invariant: it keeps no prefixes")
-    kept = chat(engine, args.max_new_tokens)
-    engine.prefixes = None
-    full = chat(engine, args.max_new_tokens)
-    engine.prefixes = PrefixStore()
+    kept = chat(engine, args.max_new_tokens, keep=True)
+    full = chat(engine, args.max_new_tokens, keep=False)
     print("turn  prompt tokens  prefill kept ms  prefill full ms  same answer")
     for turn, ((tokens, kept_ms, ours), (_, full_ms, theirs)) in enumerate(zip(kept, full), start=1):
         print(f"{turn:4d}  {tokens:13d}  {kept_ms:15.1f}  {full_ms:15.1f}  {ours == theirs}")

@@ -77,9 +77,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6, help="the bicycle prompt, then MT-bench first turns")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     args = parser.parse_args()
-    engine = Engine.load()
+    engine = Engine.load(reuse_prefixes=False)  # every answer prefills in full, as a fresh chat does
     freeze_heap()
-    engine.prefixes = None  # every answer prefills in full, as a fresh chat does
     texts = [BICYCLE] + [q["turns"][0] for q in load_questions(SHARED_QUESTIONS, limit=max(0, args.prompts - 1))]
     prompts = [engine.encode_chat([{"role": "user", "content": text}]) for text in texts[: args.prompts]]
     meter_against_ratio(engine, prompts, args.max_new_tokens)
