@@ -51,3 +51,31 @@ def test_eagle_without_head(prompt):
 def test_bad_conversations(engine, messages, message):
     with pytest.raises(ValueError, match=message):
         engine.encode_chat(messages)
+
+
+def _damaged_ggufs(folder):
+    """The embedded GGUF cut in half, cut inside its header, emptied, with a bad version, and a file that is not
+    GGUF at all: each with the message that must name it."""
+    from engine.model.load import embedded_gguf_path
+
+    data = embedded_gguf_path().read_bytes()
+    files = {
+        "truncated": (data[: len(data) // 2], "is truncated: its tensors need"),
+        "cut-header": (data[:3000], "is not a readable GGUF file: its header is damaged"),
+        "empty": (b"", "is empty"),
+        "version": (data[:4] + (99).to_bytes(4, "little") + data[8:4096], "GGUF version 99 is not supported"),
+        "not-gguf": (b"hello world" * 100, "is not a GGUF file"),
+    }
+    for name, (content, message) in files.items():
+        (folder / f"{name}.gguf").write_bytes(content)
+    return {name: (folder / f"{name}.gguf", message) for name, (_, message) in files.items()}
+
+
+def test_a_damaged_gguf_is_refused_by_name_before_it_is_parsed(tmp_path, monkeypatch):
+    from engine import Engine
+
+    monkeypatch.setattr("engine.model.load.AutoModelForCausalLM.from_pretrained",
+                        lambda *args, **kwargs: pytest.fail("a damaged file reached transformers"))
+    for path, message in _damaged_ggufs(tmp_path).values():
+        with pytest.raises(ValueError, match=f"^{path}(:)? {message}"):
+            Engine.load(str(path), head=None)

@@ -64,12 +64,22 @@ class _Cursor:
 
 
 def read_tensors(path: Path) -> tuple[str, list[TensorBlocks]]:
-    """(general.architecture, every tensor) of a GGUF file; the blocks are read-only views of the mapped file."""
+    """(general.architecture, every tensor) of a GGUF file; the blocks are read-only views of the mapped file.
+    A file that is empty, cut short or not GGUF is refused with a ValueError that names it."""
+    if Path(path).stat().st_size == 0:
+        raise ValueError(f"{path} is empty")
+    try:
+        return _read_tensors(path)
+    except (struct.error, UnicodeDecodeError, OverflowError, IndexError) as err:
+        raise ValueError(f"{path} is not a readable GGUF file: its header is damaged ({err})") from None
+
+
+def _read_tensors(path: Path) -> tuple[str, list[TensorBlocks]]:
     with open(path, "rb") as handle:
         data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     cursor = _Cursor(data)
     if bytes(data[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
+        raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     cursor.at = 4
     version = cursor.scalar("I")
     if version not in (2, 3):
@@ -90,7 +100,26 @@ def read_tensors(path: Path) -> tuple[str, list[TensorBlocks]]:
         shape = tuple(cursor.scalar("Q") for _ in range(dims))
         table.append((name, shape, cursor.scalar("I"), cursor.scalar("Q")))
     start = -(-cursor.at // alignment) * alignment
+    _check_complete(path, len(data), start, table)
     return architecture, [_blocks(data, start, *entry) for entry in table]
+
+
+def _check_complete(path: Path, size: int, start: int, table: list[tuple]) -> None:
+    """Refuse a file cut short (an interrupted download or copy) before any tensor is read from it."""
+    need = max((start + offset + _data_bytes(shape, kind) for _, shape, kind, offset in table), default=start)
+    if need > size:
+        raise ValueError(f"{path} is truncated: its tensors need {need:,} bytes but the file holds {size:,} "
+                         "(an interrupted download or copy?)")
+
+
+def _data_bytes(shape: tuple[int, ...], kind: int) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # here: the kernels' own path needs no gguf package
+
+    try:
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    except (ValueError, KeyError):
+        return 0  # a type this gguf does not know: its size is transformers' to judge
+    return int(np.prod(shape)) // block * block_bytes
 
 
 def _blocks(data: mmap.mmap, start: int, name: str, shape: tuple[int, ...], kind: int, offset: int) -> TensorBlocks:

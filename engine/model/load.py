@@ -15,6 +15,7 @@ from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase,
 )
 from . import gguf_cache
+from .gguf_tensors import read_tensors
 from .packed import bf16_native
 from .placement import gpu_budgets, model_bytes, plan_device_map
 
@@ -94,6 +95,7 @@ def _with_converted(source: tuple[str, dict], load):
     if "gguf_file" not in kwargs:
         return load(name, kwargs)
     gguf = _gguf_path(name, kwargs)
+    read_tensors(gguf)  # a corrupt or truncated file is refused here, by name, before transformers parses it
     for attempt in range(2):
         folder = gguf_cache.converted(gguf)
         if folder is None:
