@@ -177,3 +177,26 @@ def test_vocabulary_keeps_the_most_frequent_reply_tokens():
     assert coverage(counts, used) == pytest.approx(6 / 7)
     with pytest.raises(ValueError, match="draft vocabulary size"):
         choose_vocab(counts, 11)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "live"])
+def test_fine_tuning_reads_the_layers_the_heads_config_names(tmp_path, tokenizer, tiny_chat_model, monkeypatch, cache):
+    """A head whose config fuses other layers than the official capture trains on those layers' features."""
+    import engine.train.features as features
+    from engine.draft.checkpoint import save_head
+    from engine.tools.tiny import random_head
+
+    write_source(tmp_path / "source.jsonl", 3)
+    build_data(tiny_chat_model, tokenizer, tmp_path / "data", tmp_path / "source.jsonl", batch_size=3,
+               max_new_tokens=8, max_prompt_tokens=128, shard_size=3)
+    head = random_head(tiny_chat_model, "eagle3")
+    head.config.target_layers = [1, 3, 6]
+    save_head(head, tmp_path / "named", torch.float32)
+    asked = []
+    real = features.target_features
+    monkeypatch.setattr(features, "target_features", lambda model, ids, valid, layers, *rest: (
+        asked.append(layers), real(model, ids, valid, layers, *rest))[1])
+    fit_head(tiny_chat_model, [tmp_path / "data"], tmp_path / "tuned", tmp_path / "work", config=FitConfig(**FAST),
+             val_every=0, max_steps=1, dtype=torch.float32, init=tmp_path / "named", cache=cache)
+    assert asked and all(layers == [1, 3, 6] for layers in asked)
+    assert load_head(tmp_path / "tuned", tiny_chat_model).feature_layers(8) == [1, 3, 6]

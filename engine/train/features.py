@@ -74,11 +74,12 @@ def _batches_by_tokens(records: list[dict], max_tokens: int) -> list[list[int]]:
 
 
 def cache_features(model, records: list[dict], folder: str | Path, kind: str, max_tokens: int = 4096,
-                   dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the features of every record into `folder` (resumable); returns the folder."""
+                   dtype: torch.dtype = torch.bfloat16, layers: list[int] | None = None) -> Path:
+    """Write the features of every record into `folder` (resumable); returns the folder. layers: the decoder layers
+    the head fuses (default: the official capture for `kind`; a fine-tuned head's config may name others)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    layers = feature_layers(kind, model.config.num_hidden_layers)
+    layers = layers or feature_layers(kind, model.config.num_hidden_layers)
     meta = {"kind": kind, "layers": layers, "count": len(records), "ids": [r["id"] for r in records]}
     meta_file = folder / "meta.json"
     if meta_file.exists() and json.loads(meta_file.read_text()) != meta:
@@ -153,9 +154,9 @@ class CachedFeatures:
 class LiveFeatures:
     """The same batches as CachedFeatures, computed by the base model on demand (no disk)."""
 
-    def __init__(self, model, records: list[dict], kind: str):
+    def __init__(self, model, records: list[dict], kind: str, layers: list[int] | None = None):
         self.model, self.records, self.kind = model, records, kind
-        self.layers = feature_layers(kind, model.config.num_hidden_layers)
+        self.layers = layers or feature_layers(kind, model.config.num_hidden_layers)
 
     def batch(self, indices: list[int], with_top1: bool = True) -> dict[str, torch.Tensor]:
         batch = pad_batch([self.records[i] for i in indices])

@@ -74,10 +74,12 @@ def fit_head(base_model, data: list[str | Path], out: str | Path, work: str | Pa
         kept = head.to_target(torch.arange(len(head.d2t), device=head.d2t.device)).cpu() if init else None
         head.set_vocab(draft_vocab(records, train, val, text.vocab_size, draft_vocab_size, work, kept))
     head.to(next(base_model.parameters()).device)
+    layers = head.feature_layers(text.num_hidden_layers)  # a fine-tuned head's own, where its config names them
     if cache:
-        source = CachedFeatures(cache_features(base_model, records, work / f"features-{kind}", kind), records)
+        folder = work / f"features-{kind}"
+        source = CachedFeatures(cache_features(base_model, records, folder, kind, layers=layers), records)
     else:
-        source = LiveFeatures(base_model, records, kind)
+        source = LiveFeatures(base_model, records, kind, layers)
     trainer = Trainer(head, base_model, source, train, val, config, work, from_base=init is None)
     summary = trainer.fit(max_steps=max_steps, time_limit_s=time_limit_s)
     trainer.save_head(out, dtype)
@@ -96,5 +98,5 @@ def print_summary(summary: dict) -> None:
     if val:
         print(f"   validation loss {val['loss']:.3f}; per-step accuracy "
               + " ".join(f"{a:.2f}" for a in val["accuracy"]))
-        print(f"   acceptance per step " + " ".join(f"{a:.2f}" for a in val["acceptance"])
+        print("   acceptance per step " + " ".join(f"{a:.2f}" for a in val["acceptance"])
               + f"; expected accepted length of a greedy chain {val['chain_tau']:.2f}")
