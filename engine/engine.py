@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -97,6 +97,7 @@ class Engine:
         corpus: CorpusIndex | None = None,
         reuse_prefixes: bool = True,
         chat_template: bool = True,
+        sources: Sources | None = None,
     ):
         """Build the engine over loaded models, in place (Engine.load reads them first).
 
@@ -112,9 +113,10 @@ class Engine:
         has nothing (engine.draft.corpus).
         reuse_prefixes: a chat's next turn forwards only its new tokens where that changes no bit
         (engine.decode.prefixes); False: every generation prefills its whole prompt.
-        chat_template: False prompts the model with plain text even where its tokenizer has a chat template."""
+        chat_template: False prompts the model with plain text even where its tokenizer has a chat template.
+        sources: where model and head came from, as the user named them (for description())."""
         self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
-        self.sources = Sources("a model in memory", gguf, "a head in memory" if head is not None else None)
+        self.sources = sources or Sources("a model in memory", gguf, "a head in memory" if head is not None else None)
         # A model chats where its tokenizer has a chat template; a base model without one completes plain text.
         self.chats = chat_template and bool(getattr(tokenizer, "chat_template", None))
         self.corpus = _checked_corpus(corpus, model)
@@ -173,11 +175,12 @@ class Engine:
                                      max_memory=options.max_memory)
         head = _load_head(options.head, model, options.head_dtype, options.pack, options.kernels) if options.head \
             else None
+        gguf = options.gguf
+        sources = Sources(options.base or f"{DEFAULT_BASE} (embedded: {gguf})", gguf,
+                          str(options.head) if options.head else None)
         engine = cls(model, tokenizer, head, pack=options.pack, follow_load=options.follow_load,
-                     kernels=options.kernels, gguf=options.gguf, corpus=corpus, reuse_prefixes=options.reuse_prefixes,
-                     chat_template=options.chat_template)
-        engine.sources = Sources(options.base or f"{DEFAULT_BASE} (embedded: {options.gguf})", options.gguf,
-                                 str(options.head) if options.head else None)
+                     kernels=options.kernels, gguf=gguf, corpus=corpus, reuse_prefixes=options.reuse_prefixes,
+                     chat_template=options.chat_template, sources=sources)
         for line in engine.description().lines():
             log.info(line)
         return engine
@@ -187,7 +190,7 @@ class Engine:
         heads side by side. The two share one lock, as they share the model: one generation at a time."""
         other = Engine(self.model, self.tokenizer, _load_head(head, self.model, head_dtype, self.pack, self.kernels),
                        pack=self.pack, corpus=self.corpus, reuse_prefixes=self.prefixes is not None,
-                       chat_template=self.chats)
+                       chat_template=self.chats, sources=replace(self.sources, head=str(head)))
         other._lock, other.threads = self._lock, self.threads
         return other
 
