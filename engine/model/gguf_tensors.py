@@ -15,18 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
+from .groups import BLOCK_TYPES
+
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
-# The GGML types the kernels take (by type id), and their bytes per block of 32 weights; other tensors come without
-# blocks.
-BLOCK_TYPES = {8: "Q8_0", 3: "Q4_1"}
-BLOCK_BYTES = {"Q8_0": 2 + 32, "Q4_1": 2 + 2 + 16}
 
 
 @dataclass
 class TensorBlocks:
     """One tensor as GGUF stores it: `shape` in GGUF's order (fastest-varying first), `blocks` [rows, bytes per
-    row] uint8 for Q4_1 and Q8_0 (None for other types)."""
+    row] uint8 for the grouped types (engine.model.groups; None for other types)."""
 
     name: str
     kind: str
@@ -125,8 +123,8 @@ def _data_bytes(shape: tuple[int, ...], kind: int) -> int:
 def _blocks(data: mmap.mmap, start: int, name: str, shape: tuple[int, ...], kind: int, offset: int) -> TensorBlocks:
     if kind not in BLOCK_TYPES:
         return TensorBlocks(name, _type_name(kind), shape, None)
-    label = BLOCK_TYPES[kind]
-    rows, row_bytes = int(np.prod(shape[1:])), shape[0] // 32 * BLOCK_BYTES[label]
+    label, weights, size = BLOCK_TYPES[kind]
+    rows, row_bytes = int(np.prod(shape[1:])), shape[0] // weights * size
     blocks = np.frombuffer(data, dtype=np.uint8, count=rows * row_bytes, offset=start + offset)
     return TensorBlocks(name, label, shape, blocks.reshape(rows, row_bytes))
 

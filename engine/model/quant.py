@@ -23,10 +23,10 @@ from transformers import PreTrainedModel
 
 from . import kernels
 from .attention import FIXED_ORDER
-from .gguf_tensors import BLOCK_BYTES, read_tensors
+from .groups import GROUP, Groups, groups_from_blocks, quantize
+from .gguf_tensors import read_tensors
 from .load import _source, on_gpu
 
-GROUP = 32
 KERNELS = ("auto", "float", "q4", "int8")
 GROUPED = ("q4", "int8")  # the kernels that keep a GGUF's groups (engine/model/kernels)
 KERNELS_HELP = ("the CPU linear layers: float = oneDNN-packed float weights; q4 = a GGUF's 4-bit groups as they are, "
@@ -36,27 +36,6 @@ KERNELS_HELP = ("the CPU linear layers: float = oneDNN-packed float weights; q4 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Groups:
-    """One weight [out, in] as groups of 32 along `in`: Q4_1 w = scale * q + min (q 0..15, uint8 codes [out, in/2],
-    byte j of a group holding element j low and element j + 16 high, as GGUF stores them); Q8_0 w = scale * q (int8
-    codes [out, in]). Scales and mins are float32 [out, in/32] (exact copies of GGUF's float16 ones)."""
-
-    kind: str
-    codes: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor | None = None
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weights these groups stand for, rounded as gguf's dequantize rounds them."""
-        out = self.codes.shape[0]
-        if self.kind == "Q8_0":
-            return (self.codes.view(out, -1, GROUP).float() * self.scales[..., None]).view(out, -1)
-        packed = self.codes.view(out, -1, GROUP // 2)
-        q = torch.cat([packed & 15, packed >> 4], dim=-1).float()
-        return (self.scales[..., None] * q + self.mins[..., None]).view(out, -1)
-
-
 TILE = 16  # output features per tile of the int8 kernels: one a vector lane
 
 
@@ -64,9 +43,11 @@ TILE = 16  # output features per tile of the int8 kernels: one a vector lane
 class Repacked:
     """Groups as the int8 kernels read them (engine/model/kernels/int8.cpp): output features in tiles of
     16, padded with zero weights; for each tile and group, chunks of 4 consecutive weights of the 16 features (codes
-    [tiles, in/32, chunks, 16, 4]: Q4_1 4 chunks of nibble pairs, byte k of chunk c holding weights 4c + k and
-    4c + k + 16 as GGUF's byte 4c + k does; Q8_0 8 chunks of int8), scales and mins [tiles, in/32, 16] in float16,
-    as GGUF keeps them (a sixth of a Q4_1 layer's bytes fewer than float32 for kernels that read every byte a step)."""
+    [tiles, in/32, chunks, 16, 4]: 4-bit codes in 4 chunks of nibble pairs, byte k of chunk c holding weights 4c + k
+    and 4c + k + 16 as GGUF's byte 4c + k does; 8-bit codes in 8 chunks), scales [tiles, in/32, (2,) 16] and mins
+    [tiles, in/32, 16]: float16 where every value is one, as GGUF keeps Q4_1's and Q8_0's (a sixth of a Q4_1 layer's
+    bytes fewer than float32 for kernels that read every byte a step), else float32 (a K-quant's block scale times
+    its group's)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -76,98 +57,95 @@ class Repacked:
         """The Groups that `repack` laid out as these (its inverse)."""
         tiles, count, chunks = self.codes.shape[:3]
         codes = self.codes.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, count * chunks * 4)[:out_features]
-        by_row = [None if t is None else t.transpose(1, 2).reshape(tiles * TILE, count)[:out_features].float()
+        by_row = [None if t is None else _lanes_first(t).reshape(tiles * TILE, -1)[:out_features].float()
                   for t in (self.scales, self.mins)]
         return Groups(kind, codes.contiguous(), *by_row)
 
+    def rows(self, kind: str, rows: torch.Tensor) -> Groups:
+        """The groups of output features `rows`, gathered from their tiles' lanes."""
+        tiles, lanes = rows // TILE, rows % TILE
+        codes = self.codes[tiles, :, :, lanes, :].reshape(len(rows), -1)  # [rows, groups * chunks * 4]
+        by_row = [None if t is None else (t[tiles, :, lanes] if t.dim() == 3 else t[tiles, :, :, lanes])
+                  .reshape(len(rows), -1).float() for t in (self.scales, self.mins)]
+        return Groups(kind, codes, *by_row)
+
+
+def _lanes_first(t: torch.Tensor) -> torch.Tensor:
+    """Repacked scales or mins [tiles, groups, (2,) 16] as [tiles, 16, groups (, 2)]."""
+    return t.permute(0, 2, 1) if t.dim() == 3 else t.permute(0, 3, 1, 2)
+
 
 def repack(groups: Groups) -> Repacked:
-    """`groups` in the int8 kernels' layout: the same bytes and scales, moved."""
-    out, count = groups.scales.shape
+    """`groups` in the int8 kernels' layout: the same codes and scales, moved."""
+    out, count = groups.codes.shape[0], groups.in_features // GROUP
     tiles = -(-out // TILE)
-    per_group = GROUP // 2 if groups.kind == "Q4_1" else GROUP
-    codes = groups.codes.view(out, count, per_group)
+    per_group = GROUP // 2 if groups.four_bit else GROUP
 
     def padded(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(tiles * TILE - out, *t.shape[1:])])
 
-    def half(t: torch.Tensor) -> torch.Tensor:
-        if not torch.equal(t.half().float(), t):
-            raise ValueError("the int8 kernels keep group scales and mins as float16: these are not float16 values")
-        return t.half()
-
-    codes = padded(codes).view(tiles, TILE, count, per_group // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
-    by_lane = [None if t is None else half(padded(t).view(tiles, TILE, count).transpose(1, 2).contiguous())
-               for t in (groups.scales, groups.mins)]
+    codes = padded(groups.codes.view(out, count, per_group))
+    codes = codes.view(tiles, TILE, count, per_group // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    held = [t for t in (groups.scales, groups.mins) if t is not None]
+    dtype = torch.float16 if all(torch.equal(t.half().float(), t) for t in held) else torch.float32
+    by_lane = [None if t is None else padded(t).view(tiles, TILE, count, -1).permute(0, 2, 3, 1).squeeze(2)
+               .contiguous().to(dtype) for t in (groups.scales, groups.mins)]
     return Repacked(codes, *by_lane)
-
-
-def groups_from_blocks(kind: str, blocks: np.ndarray) -> Groups:
-    """GGUF blocks [out, in/32 * block bytes] (uint8) as Groups."""
-    raw = torch.from_numpy(np.array(blocks)).view(blocks.shape[0], -1, BLOCK_BYTES[kind])  # a copy, off the file
-    halves = raw[..., : 4 if kind == "Q4_1" else 2].contiguous().view(torch.float16).float()
-    if kind == "Q8_0":
-        codes = raw[..., 2:].contiguous().view(torch.int8).view(raw.shape[0], -1)
-        return Groups(kind, codes, halves[..., 0].contiguous())
-    codes = raw[..., 4:].contiguous().view(raw.shape[0], -1)
-    return Groups(kind, codes, halves[..., 0].contiguous(), halves[..., 1].contiguous())
-
-
-def quantize(weight: torch.Tensor, kind: str) -> Groups:
-    """Round a float weight to groups as llama.cpp's reference quantizer (and gguf-py) does: Q4_1 spans each
-    group's min..max in 15 steps, Q8_0 scales its largest magnitude to 127; scales and mins are stored as float16."""
-    out = weight.shape[0]
-    w = weight.detach().float().view(out, -1, GROUP)
-    if kind == "Q8_0":
-        scales = w.abs().amax(-1, keepdim=True) / 127
-        scaled = w * torch.where(scales == 0, 0, 1 / scales)
-        whole = scaled.abs().floor()
-        q = scaled.sign() * (whole + (2 * (scaled.abs() - whole)).floor())  # halves away from zero
-        return Groups(kind, q.to(torch.int8).view(out, -1), scales[..., 0].half().float())
-    low = w.amin(-1, keepdim=True)
-    scales = (w.amax(-1, keepdim=True) - low) / 15
-    q = ((w - low) * torch.where(scales == 0, 0, 1 / scales) + 0.5).trunc().clamp(0, 15).to(torch.uint8)
-    codes = (q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)).view(out, -1)
-    return Groups(kind, codes, scales[..., 0].half().float(), low[..., 0].half().float())
 
 
 class QuantLinear(nn.Module):
     """Inference-only stand-in for an nn.Linear on the CPU, its weight held as Groups (float32 inputs). int8: its
     inputs are rounded to 8 bits per group of 32 and multiplied as integers (the weights held as `repack` lays
-    them out), else they multiply the dequantized weights in float32."""
+    them out), for every type Groups reads; else they multiply the dequantized weights in float32 (4-bit codes with
+    a min, or 8-bit ones with neither a min nor two scales a group: Q4_0, Q4_1, Q4_K, Q5_0, Q8_0)."""
 
     def __init__(self, groups: Groups, bias: torch.Tensor | None, int8: bool = False):
         super().__init__()
-        self.kind, self.int8 = groups.kind, int8
-        self.out_features, self.in_features = groups.scales.shape[0], groups.scales.shape[1] * GROUP
+        if not int8 and not float_kernel_takes(groups):
+            raise ValueError(f"{groups.kind} groups multiply on the int8 kernels only")
+        self.kind, self.int8, self.four_bit = groups.kind, int8, groups.four_bit
+        self.out_features, self.in_features = groups.codes.shape[0], groups.in_features
         held = repack(groups) if int8 else groups
         self.register_buffer("codes", held.codes)
         self.register_buffer("scales", held.scales)
         self.register_buffer("mins", held.mins)
-        self.bias = None if bias is None else bias.detach().float()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
         # An empty stand-in: code that asks a layer for its weight's dtype or device keeps working.
         self.register_buffer("weight", torch.empty(0), persistent=False)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the groups stand for (for code that needs the rows themselves, as a head's
         training target does)."""
+        return self.groups().dequantize()
+
+    def groups_of(self, rows: torch.Tensor) -> Groups:
+        """The groups of output features `rows` (an embedding's lookup, when this is its table)."""
         if self.int8:
-            return Repacked(self.codes, self.scales, self.mins).groups(self.kind, self.out_features).dequantize()
-        return Groups(self.kind, self.codes, self.scales, self.mins).dequantize()
+            return Repacked(self.codes, self.scales, self.mins).rows(self.kind, rows)
+        return Groups(self.kind, self.codes[rows], self.scales[rows], None if self.mins is None else self.mins[rows])
+
+    def groups(self) -> Groups:
+        if self.int8:
+            return Repacked(self.codes, self.scales, self.mins).groups(self.kind, self.out_features)
+        return Groups(self.kind, self.codes, self.scales, self.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.eagle_cpu
-        if self.int8 and self.kind == "Q4_1":
-            return ops.q4_1_int8_linear(x, self.codes, self.scales, self.mins, self.bias, self.out_features)
         if self.int8:
-            return ops.q8_0_int8_linear(x, self.codes, self.scales, self.bias, self.out_features)
-        if self.kind == "Q4_1":
+            return ops.int8_linear(x, self.codes, self.scales, self.mins, self.bias, self.out_features)
+        if self.four_bit:
             return ops.q4_1_linear(x, self.codes, self.scales, self.mins, self.bias)
         return ops.q8_0_linear(x, self.codes, self.scales, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
                 f"{', int8 activations' if self.int8 else ''}")
+
+
+def float_kernel_takes(groups: Groups) -> bool:
+    """Whether the float32-activation kernels (linear.cpp) multiply `groups`: 4-bit codes with a min per group, or
+    8-bit codes with one scale a group and no min."""
+    return (groups.mins is not None) if groups.four_bit else (groups.mins is None and not groups.halves)
 
 
 def gguf_file(base: str | None) -> Path | None:
@@ -185,7 +163,7 @@ def gguf_file(base: str | None) -> Path | None:
 
 
 def gguf_groups(model: PreTrainedModel, path: Path) -> dict[int, Groups]:
-    """The GGUF file's Q4_1 and Q8_0 tensors, keyed by id() of the model parameter transformers loaded from each
+    """The GGUF file's grouped tensors (every type engine.model.groups reads), keyed by id() of the model parameter transformers loaded from each
     (rows put in transformers' order, as it permutes Llama's q and k), kept only where they dequantize to exactly
     that parameter's float32 values."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map  # transformers' GGUF loading needs gguf too
@@ -203,7 +181,7 @@ def gguf_groups(model: PreTrainedModel, path: Path) -> dict[int, Groups]:
         aliases.setdefault(id(parameter), []).append(name)
     found = {}
     for module in model.modules():
-        if type(module) is not nn.Linear:
+        if type(module) is not nn.Linear and not isinstance(module, nn.Embedding):
             continue
         candidates = [_gguf_name(name_map, name) for name in aliases.get(id(module.weight), [])]
         tensor = next((stored[n] for n in candidates if n in stored), None)
@@ -227,8 +205,8 @@ def _gguf_name(name_map, parameter: str) -> str | None:
 
 def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str = "Q4_1", int8: bool = False) -> int:
     """Replace the float32 CPU nn.Linear layers of `model` whose inputs come in groups of 32 by QuantLinears (int8:
-    on int8 activations); returns how many. With a GGUF file, the layers its Q4_1/Q8_0 groups hold exactly (others
-    keep float weights); without one, every such layer is quantized to `kind` (a PreTrainedModel's LM head to
+    on int8 activations); returns how many. With a GGUF file, the layers its groups hold exactly, of the types the
+    chosen kernels take (others keep float weights); without one, every such layer is quantized to `kind` (a PreTrainedModel's LM head to
     Q8_0)."""
     if not kernels.available():
         raise RuntimeError(f"QuantLinear needs engine/model/kernels: {kernels.unavailable_reason()}")
@@ -243,13 +221,57 @@ def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str 
                 continue
             if found is None:
                 groups = quantize(child.weight, "Q8_0" if child is lm_head else kind)
-            elif id(child.weight) in found:
+            elif id(child.weight) in found and (int8 or float_kernel_takes(found[id(child.weight)])):
                 groups = found[id(child.weight)]
             else:
                 continue
             setattr(parent, name, QuantLinear(groups, child.bias, int8))
             count += 1
+    if found is not None and isinstance(model, PreTrainedModel):
+        _embed_from_groups(model, found, tied=lm_head is not None and lm_head.weight is model.get_input_embeddings()
+                           .weight)
+        _own_float_tensors(model)
     return count
+
+
+def _own_float_tensors(model: nn.Module) -> None:
+    """Copy the float tensors the model still holds (norms, biases) out of the file transformers mapped them from:
+    each is a view into that mapping, and one small norm kept every page of the float conversion read while loading
+    resident (a gigabyte for a 270M model), long after its matrices became groups."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.dtype.is_floating_point and tensor.numel():
+                tensor.data = tensor.data.clone()
+
+
+class GroupedEmbedding(nn.Module):
+    """A GGUF base's input embedding read from its groups (the LM head's own where the two are tied): the rows of
+    the tokens looked up, dequantized as they are needed, the very floats the float table held (times the scale a
+    model such as Gemma puts on its embeddings), so no float copy of the table stays resident: a 262k-token
+    vocabulary's is 0.7 GB."""
+
+    def __init__(self, table: QuantLinear, scale: torch.Tensor | None):
+        super().__init__()
+        self._table = (table,)  # not a submodule: a tied table is the LM head's, which the model holds already
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.scale = scale
+        self.register_buffer("weight", torch.empty(0), persistent=False)  # its dtype, for code that asks
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._table[0].groups_of(ids.reshape(-1)).dequantize().view(*ids.shape, self.embedding_dim)
+        return rows if self.scale is None else rows * self.scale
+
+
+def _embed_from_groups(model: PreTrainedModel, found: dict[int, Groups], tied: bool) -> None:
+    """Replace the model's float input embedding by its GGUF groups where the file holds them exactly (tied: the
+    LM head's, already replaced)."""
+    table = model.get_input_embeddings()
+    if not isinstance(table, nn.Embedding) or id(table.weight) not in found:
+        return
+    head = model.get_output_embeddings()
+    rows = head if tied and isinstance(head, QuantLinear) else QuantLinear(found[id(table.weight)], None, int8=True)
+    scale = getattr(table, "embed_scale", None)
+    model.set_input_embeddings(GroupedEmbedding(rows, None if scale is None else scale.to(torch.float32)))
 
 
 def resolve_kernels(kernels: str, device: str, dtype: str, pack: bool, quantization: str, gguf: Path | None) -> str:

@@ -16,7 +16,8 @@ import torch
 
 from .. import DecodeParams, Engine
 from ..model import kernels
-from ..model.quant import QuantLinear, quantize
+from ..model.groups import quantize
+from ..model.quant import QuantLinear
 from .runs import SHARED_QUESTIONS, first_turn_prompts, load_questions
 
 SHAPES = (("Q4_1", 1536, 576), ("Q4_1", 576, 576), ("Q8_0", 49152, 576))  # FFN, attention, LM head

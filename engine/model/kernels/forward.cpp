@@ -228,7 +228,7 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Te
     const at::Tensor* w = weights.data() + layer * LAYER_TENSORS;
     const auto project = [&](int which, const at::Tensor& x) {
       const at::Tensor &codes = w[2 + 3 * which], &scales = w[3 + 3 * which], &mins = w[4 + 3 * which];
-      return int8 ? q4_1_int8_linear(x, codes, scales, mins, std::nullopt, scales.size(0) * LANES)
+      return int8 ? int8_linear(x, codes, scales, mins, std::nullopt, scales.size(0) * LANES)
                   : q4_1_linear(x, codes, scales, mins, std::nullopt);
     };
     const at::Tensor &keys = caches[2 * layer], &values = caches[2 * layer + 1];
@@ -266,7 +266,7 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
   const int64_t rows = hidden.size(1);
   const auto project = [&](int which, const at::Tensor& x) {
     const at::Tensor &codes = weights[3 + 2 * which], &scales = weights[4 + 2 * which];
-    return int8 ? q8_0_int8_linear(x, codes, scales, std::nullopt, scales.size(0) * LANES)
+    return int8 ? int8_linear(x, codes, scales, std::nullopt, std::nullopt, scales.size(0) * LANES)
                 : q8_0_linear(x, codes, scales, std::nullopt);
   };
   const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(hidden, weights[1], eps)}, -1);

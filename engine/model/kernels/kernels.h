@@ -8,8 +8,9 @@
 //    each group dequantized in registers into float32 (the very floats gguf's dequantize gives: d*q is exact, so
 //    fma(q, d, m) rounds once like (d*q) + m) and used at once for up to eight input rows, so the weights are read
 //    and dequantized once per call for each eight rows; for fewer rows, several output features side by side.
-//  - int8 linear layers (kernels="int8"): the same groups against each row's activations rounded to int8, integer
-//    products (exact in any order), then one fixed float sequence per output feature (int8.cpp);
+//  - int8 linear layers (kernels="int8"): every GGUF type's groups (4-bit or 8-bit codes, scales, mins) against
+//    each row's activations rounded to int8, integer products (exact in any order), then one fixed float sequence
+//    per output feature (int8.cpp);
 //  - attention: softmax(q.k * scale + mask) v per (row, head) over the keys the row sees, gathered in key order
 //    first, so masked keys between them (a tree's other branches) change nothing; the query heads that share a
 //    key/value head go through together, and so do the rows of a call (a tree's nodes), each key and value read
@@ -20,7 +21,7 @@
 // One job a file, all in namespace eagle_cpu, each file's own helpers in an anonymous namespace inside it:
 //   kernels.h      what the files share: vector helpers, the 8- and 16-lane traits, the switches, the entry points
 //   linear.cpp     grouped_linear: Q4_1 and Q8_0 groups against float32 rows (q4_1_linear, q8_0_linear)
-//   int8.cpp       the same groups against int8 rows (quantize_rows, the AVX2 and AVX-512 VNNI tiles)
+//   int8.cpp       every GGUF type's groups against int8 rows (quantize_rows, the AVX2 and AVX-512 VNNI tiles)
 //   attention.cpp  the fixed-order attention (visible_rows, attend, attention)
 //   forward.cpp    rms_norm, rotary, the residual stream, llama_forward and eagle3_layer
 //   ops.cpp        the switches (set_wide, set_vnni) and the torch.ops.eagle_cpu registration
@@ -191,11 +192,22 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias);
 
-// int8.cpp: the same on int8 activations, the groups repacked (engine/model/quant.py repack).
-at::Tensor q4_1_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                            const at::Tensor& mins, const std::optional<at::Tensor>& bias, int64_t out_features);
-at::Tensor q8_0_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                            const std::optional<at::Tensor>& bias, int64_t out_features);
+// int8.cpp: a GGUF type's groups, repacked (engine/model/quant.py repack), against int8 rows.
+struct Int8Layer {
+  const void* codes;   // [tiles, groups, chunks, 16, 4]: 4-bit nibble pairs (4 chunks) or int8 (8 chunks)
+  const void* scales;  // [tiles, groups, (2,) 16], float16 or float32
+  const void* mins;    // [tiles, groups, 16] of the scales' dtype, or null
+  int64_t groups, out_features;
+  bool q4, halves, float_scales;
+};
+Int8Layer int8_layer(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                     int64_t out_features, int64_t in_features);
+// x [.., in] against each layer (+ its bias, or null): float32 [.., sum of out_features], the layers side by side.
+at::Tensor int8_linears(const at::Tensor& x, const std::vector<Int8Layer>& layers,
+                        const std::vector<const float*>& biases);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                       int64_t out_features);
 
 // attention.cpp
 // The keys one query row sees, in key order, with their additive mask values: the same for every head of the row.

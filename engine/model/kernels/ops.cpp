@@ -43,8 +43,7 @@ bool set_vnni(bool vnni) {
 TORCH_LIBRARY(eagle_cpu, m) {
   m.def("set_wide(bool wide) -> bool", &eagle_cpu::set_wide);
   m.def("set_vnni(bool vnni) -> bool", &eagle_cpu::set_vnni);
-  m.def("q4_1_int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias, int out_features) -> Tensor");
-  m.def("q8_0_int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, int out_features) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -61,8 +60,7 @@ TORCH_LIBRARY(eagle_cpu, m) {
 TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
   m.impl("q4_1_linear", &eagle_cpu::q4_1_linear);
   m.impl("q8_0_linear", &eagle_cpu::q8_0_linear);
-  m.impl("q4_1_int8_linear", &eagle_cpu::q4_1_int8_linear);
-  m.impl("q8_0_int8_linear", &eagle_cpu::q8_0_int8_linear);
+  m.impl("int8_linear", &eagle_cpu::int8_linear);
   m.impl("rms_norm", &eagle_cpu::rms_norm);
   m.impl("attention", &eagle_cpu::attention);
   m.impl("llama_forward", &eagle_cpu::llama_forward);
