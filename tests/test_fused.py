@@ -1,4 +1,6 @@
-"""engine.model.fused: a q4 Llama's decoder in one kernel call gives the very bits transformers' forward gives."""
+"""engine.model.fused: a grouped decoder of each family it describes (Llama, Qwen2, Qwen3, Gemma 3) in one kernel
+call gives the very bits transformers' forward gives, and a tree's rows the bits of one-token steps, past a sliding
+window too."""
 from __future__ import annotations
 
 import os
@@ -8,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import MistralConfig, MistralForCausalLM
 
 from engine import Engine
 from engine.model import kernels
@@ -16,9 +19,13 @@ from engine.model.fused import why_not_fused
 from engine.decode.round import Sequence, verify
 from engine.model.target import Target
 from engine.draft.tree import DraftTree
-from tests.conftest import VOCAB, IdsOnlyTokenizer, random_head, tiny_base
+from tests.conftest import BRANCHING, VOCAB, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="engine/model/kernels unavailable")
+# One tiny model of each family; Gemma 3's slides over 32 tokens in all but one layer.
+FAMILY_SHAPES = ["llama-h64-l8-gqa", "qwen2-h32-l10-tied", "qwen3-h64-l9", "gemma3-h64-l8-swa"]
+# Longer than the sliding window: its rows see fewer keys than the global layers' rows.
+LONG_PROMPT = torch.randint(0, VOCAB, (45,), generator=torch.Generator().manual_seed(8)).tolist()
 
 
 def forwards(target: Target, prompt: list[int]) -> list[torch.Tensor]:
@@ -59,11 +66,57 @@ def test_the_embedded_model_fused_gives_transformers_bits(kernels):
     assert_fused_equals_transformers(engine, prompt)
 
 
+@pytest.mark.parametrize("shape", FAMILY_SHAPES)
+@pytest.mark.parametrize("kernels", ["q4", "int8"])
+def test_each_family_fused_gives_transformers_bits(shape, kernels):
+    """Qwen2's q, k, v biases, Qwen3's and Gemma 3's q and k norms, Gemma's norms after attention and the MLP, its
+    GeGLU, embedding scale and its sliding layers' own rotary tables and window (the prompt is longer than it)."""
+    model = tiny_base(shape)
+    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
+    assert engine.target.fused is not None, why_not_fused(model)
+    assert_fused_equals_transformers(engine, LONG_PROMPT)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers"])
+@pytest.mark.parametrize("shape", FAMILY_SHAPES)
+def test_tree_rows_are_one_token_steps_bits_past_the_window(shape, fused):
+    """A tree after a prompt longer than Gemma's window: each row's hidden state has the bits of the one-token step
+    that decodes its path, through the fused forward and through transformers' (which is given the sliding layers'
+    own mask: the tree's mask alone would let a row see keys its step does not)."""
+    model = tiny_base(shape)
+    engine = Engine(model, IdsOnlyTokenizer(), pack=True, kernels="int8")
+    target = engine.target if fused else Target(engine.model, None, fused=False)
+    assert (target.fused is not None) == fused
+    tree = target.new_cache()
+    target.forward(torch.tensor(LONG_PROMPT), tree)
+    cached = tree.get_seq_length()
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(4, cached, dtype=torch.bool), visible], dim=1)
+    rows, _ = target.forward(torch.tensor([3, 7, 8, 2]), tree, cached + torch.tensor([0, 1, 1, 2]), mask)
+    for row, path in ((0, [3]), (1, [3, 7]), (2, [3, 8]), (3, [3, 8, 2])):
+        steps = target.new_cache()
+        target.forward(torch.tensor(LONG_PROMPT), steps)
+        for token in path:
+            hidden, _ = target.forward(torch.tensor([token]), steps)
+        assert torch.equal(rows[row], hidden[0]), (row, path)
+
+
+@pytest.mark.parametrize("kernels", ["q4", "int8"])
+def test_a_tiny_gemma_3_decodes_losslessly_past_its_window(kernels):
+    model = tiny_base("gemma3-h64-l8-swa")
+    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
+    vanilla = tokens_of(engine.generate(LONG_PROMPT, method="vanilla", max_new_tokens=40))
+    steps = list(engine.generate(LONG_PROMPT, method="eagle", max_new_tokens=40, **BRANCHING))
+    assert tokens_of(steps) == vanilla and sum(s.accepted for s in steps) > 0
+
+
 def test_models_it_does_not_describe_keep_transformers_forward():
     float_model = tiny_base("llama-h64-l8-gqa")
     engine = Engine(float_model, IdsOnlyTokenizer(), pack=True)
-    assert engine.target.fused is None and "Q4_1" in why_not_fused(float_model)
-    assert "model type 'qwen3'" in why_not_fused(tiny_base("qwen3-h64-l9"))
+    assert engine.target.fused is None and "grouped layers" in why_not_fused(float_model)
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    assert "model type 'mistral'" in why_not_fused(mistral)
 
 
 @pytest.mark.parametrize("kernels", ["q4", "int8"])

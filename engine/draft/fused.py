@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from ..model.fused import MATMULS, PROJECTIONS, stackable, stacked
+from ..model.fused import PROJECTIONS
+from ..model.quant import TILE, QuantLinear
 from .eagle3 import Eagle3Head
 from .layers import KV
+
+MATMULS = (PROJECTIONS[:3], PROJECTIONS[3:4], PROJECTIONS[4:6], PROJECTIONS[6:])  # eagle3_layer's, stacked
 
 
 class FusedEagle3:
@@ -45,3 +48,27 @@ class FusedEagle3:
         out, k, v = torch.ops.eagle_cpu.eagle3_layer(head.embed(token_ids), hidden, cos, sin, keys, values, mask,
                                                      self.weights, self.heads, self.head_dim, self.eps, self.int8)
         return out, [(k, v)]
+
+
+def stackable(modules: list, kind: str) -> bool:
+    """Bias-free QuantLinears of `kind`, all int8 or none; int8 ones in whole tiles, so that stacking keeps every
+    projection's features where the kernel call's output puts them."""
+    if not all(isinstance(m, QuantLinear) and m.kind == kind and m.bias is None for m in modules):
+        return False
+    return len({m.int8 for m in modules}) == 1 and not (modules[0].int8 and any(m.out_features % TILE for m in modules))
+
+
+def stacked(projections: list[QuantLinear]) -> list[torch.Tensor]:
+    """The groups of projections that take the same input (codes, scales and, for Q4_1, mins), stacked by output
+    feature; the projections' own buffers become views of them, so the weights are held once."""
+    parts = ("codes", "scales", "mins") if projections[0].kind == "Q4_1" else ("codes", "scales")
+    if len(projections) == 1:
+        return [getattr(projections[0], part) for part in parts]
+    merged = [torch.cat([getattr(p, part) for p in projections]) for part in parts]
+    start = 0
+    for projection in projections:  # by features, or by tiles of them on int8 kernels: the buffers' first dimension
+        end = start + len(projection.codes)
+        for part, tensor in zip(parts, merged):
+            setattr(projection, part, tensor[start:end])
+        start = end
+    return merged

@@ -6,7 +6,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .cache import GrowingCache
-from .fused import FusedLlama
+from .fused import FusedDecoder, window_mask
 from .quant import kv_dtype
 
 
@@ -16,11 +16,13 @@ class Target:
     def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None, fused: bool = True):
         """fused: run the decoder as one kernel call where engine.model.fused describes the model exactly (same bits)."""
         self.model = model
-        self.fused = FusedLlama.of(model) if fused else None
+        self.fused = FusedDecoder.of(model) if fused else None
         self.body = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.config = model.config.get_text_config()
         self.max_context = getattr(self.config, "max_position_embeddings", None) or 2048
+        windows = [getattr(layer.self_attn, "sliding_window", None) for layer in getattr(self.body, "layers", [])]
+        self.window = next((window for window in windows if window is not None), None)
         self.kv_dtype = kv_dtype(model)  # fixed once the engine has chosen kernels and attention, as `fused` is
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []
@@ -72,8 +74,8 @@ class Target:
             hidden, captured = self.fused.forward(ids, cache, positions, mask, self.feature_layers or [])
             hidden = hidden[0]
         else:
-            out = self.body(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                            use_cache=True)
+            out = self.body(input_ids=ids, position_ids=positions, attention_mask=self._masks(mask, cache, positions),
+                            past_key_values=cache, use_cache=True)
             hidden = out.last_hidden_state[0]
             captured = [self._captured.pop(i) for i in self.feature_layers or []]
         if not self.feature_layers:
@@ -81,6 +83,18 @@ class Target:
         # With --device auto the captured layers may sit on different GPUs: gather them beside the LM head.
         return hidden, torch.cat([layer_input[0].to(hidden.device) for layer_input in captured], dim=-1)
 
+    def _masks(self, mask: torch.Tensor | None, cache: GrowingCache, positions: torch.Tensor | None):
+        """The mask as the model takes it: for a model with sliding-window layers, a tree's mask for its full layers
+        and, for its sliding ones, the same with the keys out of the window hidden (transformers would use a given
+        mask as it is in both, and a tree row would see keys its one-token step does not)."""
+        if mask is None or self.window is None:
+            return mask
+        start, rows = cache.get_seq_length(), mask.shape[-2]
+        at = positions[0] if positions is not None else torch.arange(start, start + rows, device=mask.device)
+        return {"full_attention": mask, "sliding_attention": window_mask(mask, start, at, self.window)}
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2's, applied as its forward applies it
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -180,11 +180,13 @@ void add_into(at::Tensor& h, const at::Tensor& y) {
   for (int64_t i = 0; i < h.numel(); ++i) hs[i] += add[i];
 }
 
-// transformers' LlamaMLP's act_fn(gate) * up from the stacked gate and up outputs [.., 2 * inner]: torch's own SiLU
-// (its exp), the product by hand.
-at::Tensor gated(const at::Tensor& gate_up) {
+// transformers' MLP's act_fn(gate) * up from the stacked gate and up outputs [.., 2 * inner]: torch's own SiLU or
+// tanh-approximated GELU (Gemma's GeGLU) on the gate as its own contiguous tensor, as the gate projection gives it,
+// the product by hand.
+at::Tensor gated(const at::Tensor& gate_up, bool gelu) {
   const int64_t inner = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
-  at::Tensor act = at::silu(gate_up.narrow(-1, 0, inner)).contiguous();
+  const at::Tensor gate = gate_up.narrow(-1, 0, inner).contiguous();
+  at::Tensor act = gelu ? at::gelu(gate, "tanh") : at::silu(gate);
   const float* up = gate_up.data_ptr<float>() + inner;
   float* a = act.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r)
@@ -192,56 +194,113 @@ at::Tensor gated(const at::Tensor& gate_up) {
   return act;
 }
 
+// RMSNorm over each head of the q or k part of a stacked q, k, v output [1, M, F] (from feature `from`, `heads`
+// heads), in place: Qwen3's and Gemma 3's q and k norms, each head's row normed as rms_norm norms a row.
+void norm_heads(at::Tensor& qkv, int64_t from, int64_t heads, int64_t head_dim, const at::Tensor& weight,
+                double eps) {
+  const int64_t rows = qkv.size(1);
+  const at::Tensor part = qkv.narrow(-1, from, heads * head_dim).reshape({rows * heads, head_dim});
+  qkv.narrow(-1, from, heads * head_dim).copy_(rms_norm(part, weight, eps).view({1, rows, heads * head_dim}));
+}
+
+// Norm tensors of a layer, in this order; a model without one holds an empty tensor there.
+enum Norm { INPUT, POST_ATTENTION, PRE_MLP, POST_MLP, Q_NORM, K_NORM, NORMS };
+// Projections of a layer, each as codes, scales, mins, bias (empty where absent).
+enum Projection { Q, K, V, O, GATE, UP, DOWN, PROJECTIONS };
+constexpr int64_t LAYER_TENSORS = NORMS + 4 * PROJECTIONS;
+
+bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+std::optional<at::Tensor> optional(const at::Tensor& t) {
+  return present(t) ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// The projections `which` of a layer on input x, side by side as stacked ones give them: int8 layers in one call
+// (the input rounded once), float-activation ones (q4) each on its own kernel, then joined.
+at::Tensor project(const at::Tensor* w, std::initializer_list<int> which, const at::Tensor& x, bool int8) {
+  const auto part = [&](int p, int k) -> const at::Tensor& { return w[NORMS + 4 * p + k]; };
+  if (int8) {
+    std::vector<Int8Layer> layers;
+    std::vector<const float*> biases;
+    for (const int p : which) {
+      const at::Tensor& bias = part(p, 3);
+      const int64_t out = present(bias) ? bias.numel() : part(p, 1).size(0) * LANES;
+      layers.push_back(int8_layer(part(p, 0), part(p, 1), optional(part(p, 2)), out, x.size(-1)));
+      biases.push_back(present(bias) ? bias.data_ptr<float>() : nullptr);
+    }
+    return int8_linears(x, layers, biases);
+  }
+  std::vector<at::Tensor> outs;
+  for (const int p : which) {
+    const at::Tensor &codes = part(p, 0), &scales = part(p, 1);
+    outs.push_back(codes.scalar_type() == at::kByte
+                       ? q4_1_linear(x, codes, scales, part(p, 2), optional(part(p, 3)))
+                       : q8_0_linear(x, codes, scales, optional(part(p, 3))));
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
+}
+
 }  // namespace
 
-// Two norms; codes, scales, mins of q, k and v stacked (one matmul), o, gate and up stacked, down.
-constexpr int64_t LAYER_TENSORS = 2 + 4 * 3;
-
-// transformers' LlamaModel after the embedding and the rotary tables (its decoder layers and final norm) over M new
-// tokens, op for op as transformers runs them on the engine's kernels (Q4_1 linear layers, fixed-order attention),
-// so that every output has the very same bits, without Python between the ~40 ops of a layer.
-// embeddings [1, M, E]; cos, sin [1, M, head_dim]; mask as attention() takes it (absent: causal); weights: per
-// layer LAYER_TENSORS tensors (input norm, post-attention norm, then the groups of each matmul); caches: per
-// layer key and value buffers [1, Hkv, capacity, head_dim] (float32 or float16) with room for start + M positions,
-// written at start.
+// A decoder-only model's layers and final norm after the embedding and the rotary tables, over M new tokens, op for
+// op as transformers runs them on the engine's kernels (grouped linear layers, fixed-order attention), so that every
+// output has the very same bits, without Python between the ~40 ops of a layer. One body for the families it
+// describes (engine/model/fused.py): Llama, Qwen2 (q, k, v biases), Qwen3 (q and k norms), Gemma 3 (q and k norms,
+// a norm after attention and after the MLP, GeGLU, sliding-window layers with their own rotary tables).
+// embeddings [1, M, E]; cos, sin [1, M, head_dim] (local_cos, local_sin: the sliding layers' own, if they have
+// their own); mask as attention() takes it (absent: causal), sliding_mask the sliding layers' (absent: theirs is
+// the mask); weights: per layer LAYER_TENSORS tensors (the norms, then each projection's groups and bias); caches:
+// per layer key and value buffers [1, Hkv, capacity, head_dim] (float32 or float16) with room for start + M
+// positions, written at start; sliding: per layer whether it is a sliding-window one.
 // Returns the final-norm hidden states [1, M, E], then the inputs of the layers listed in `capture`, in its order.
-std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
-                                      const std::optional<at::Tensor>& mask, const c10::intrusive_ptr<Weights>& held,
-                                      at::TensorList caches, const at::Tensor& final_norm, int64_t start,
-                                      int64_t head_dim, double eps, double scale, at::IntArrayRef capture,
-                                      bool int8) {
+std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
+                                        const std::optional<at::Tensor>& local_cos,
+                                        const std::optional<at::Tensor>& local_sin,
+                                        const std::optional<at::Tensor>& mask,
+                                        const std::optional<at::Tensor>& sliding_mask,
+                                        const c10::intrusive_ptr<Weights>& held, at::TensorList caches,
+                                        const at::Tensor& final_norm, int64_t start, int64_t head_dim, double eps,
+                                        double scale, at::IntArrayRef capture, bool int8, at::IntArrayRef sliding,
+                                        bool gelu) {
   const std::vector<at::Tensor>& weights = held->tensors;
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2, rows = embeddings.size(1), end = start + rows;
-  TORCH_CHECK(embeddings.dim() == 3 && embeddings.size(0) == 1, "llama_forward takes embeddings [1, M, E]");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS,
-              "llama_forward: ", LAYER_TENSORS, " weight tensors per layer, got ", weights.size(), " for ", layers);
+  TORCH_CHECK(embeddings.dim() == 3 && embeddings.size(0) == 1, "decoder_forward takes embeddings [1, M, E]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS && static_cast<int64_t>(sliding.size())
+                  == layers, "decoder_forward: ", LAYER_TENSORS, " weight tensors and a sliding flag per layer, got ",
+              weights.size(), " and ", sliding.size(), " for ", layers);
   for (const at::Tensor& buffer : caches)
-    TORCH_CHECK(buffer.dim() == 4 && buffer.size(2) >= end, "llama_forward: a cache buffer holds fewer than ", end,
+    TORCH_CHECK(buffer.dim() == 4 && buffer.size(2) >= end, "decoder_forward: a cache buffer holds fewer than ", end,
                 " positions");
   std::vector<at::Tensor> out(1 + capture.size());
   at::Tensor h = embeddings.contiguous().clone();  // the residual stream, added to in place
   const at::Tensor cos_rows = cos.contiguous(), sin_rows = sin.contiguous();  // themselves, as the tables come
-  const std::vector<Visible> visible = visible_rows(mask, 1, rows, end);  // the same in every layer
+  const at::Tensor local_cos_rows = local_cos.has_value() ? local_cos->contiguous() : cos_rows;
+  const at::Tensor local_sin_rows = local_sin.has_value() ? local_sin->contiguous() : sin_rows;
+  const std::vector<Visible> visible = visible_rows(mask, 1, rows, end);  // the same in every layer of its kind
+  const std::vector<Visible> visible_sliding =
+      sliding_mask.has_value() ? visible_rows(sliding_mask, 1, rows, end) : visible;
   for (int64_t layer = 0; layer < layers; ++layer) {
     for (size_t i = 0; i < capture.size(); ++i)
       if (capture[i] == layer) out[1 + i] = h.clone();
     const at::Tensor* w = weights.data() + layer * LAYER_TENSORS;
-    const auto project = [&](int which, const at::Tensor& x) {
-      const at::Tensor &codes = w[2 + 3 * which], &scales = w[3 + 3 * which], &mins = w[4 + 3 * which];
-      return int8 ? int8_linear(x, codes, scales, mins, std::nullopt, scales.size(0) * LANES)
-                  : q4_1_linear(x, codes, scales, mins, std::nullopt);
-    };
+    const bool local = sliding[layer] != 0;
     const at::Tensor &keys = caches[2 * layer], &values = caches[2 * layer + 1];
-    const at::Tensor qkv = project(0, rms_norm(h, w[0], eps));  // each feature as q_proj, k_proj or v_proj gives it
+    at::Tensor qkv = project(w, {Q, K, V}, rms_norm(h, w[INPUT], eps), int8);  // each feature as its projection's
     const int64_t kv = keys.size(1) * head_dim, qf = qkv.size(-1) - 2 * kv;
-    const at::Tensor q = rotated(qkv, 0, qf / head_dim, head_dim, cos_rows, sin_rows);
-    write_keys_values(qkv, qf, head_dim, cos_rows, sin_rows, keys, values, start);
-    const at::Tensor attended = attend(q, keys.slice(2, 0, end), values.slice(2, 0, end), visible, scale);
-    add_into(h, project(1, attended.reshape({1, rows, -1})));
-    add_into(h, project(3, gated(project(2, rms_norm(h, w[1], eps)))));
+    if (present(w[Q_NORM])) norm_heads(qkv, 0, qf / head_dim, head_dim, w[Q_NORM], eps);
+    if (present(w[K_NORM])) norm_heads(qkv, qf, kv / head_dim, head_dim, w[K_NORM], eps);
+    const at::Tensor &layer_cos = local ? local_cos_rows : cos_rows, &layer_sin = local ? local_sin_rows : sin_rows;
+    const at::Tensor q = rotated(qkv, 0, qf / head_dim, head_dim, layer_cos, layer_sin);
+    write_keys_values(qkv, qf, head_dim, layer_cos, layer_sin, keys, values, start);
+    const at::Tensor attended = attend(q, keys.slice(2, 0, end), values.slice(2, 0, end),
+                                       local ? visible_sliding : visible, scale);
+    at::Tensor y = project(w, {O}, attended.reshape({1, rows, -1}), int8);
+    add_into(h, present(w[POST_ATTENTION]) ? rms_norm(y, w[POST_ATTENTION], eps) : y);
+    y = project(w, {DOWN}, gated(project(w, {GATE, UP}, rms_norm(h, w[PRE_MLP], eps), int8), gelu), int8);
+    add_into(h, present(w[POST_MLP]) ? rms_norm(y, w[POST_MLP], eps) : y);
   }
   for (size_t i = 0; i < capture.size(); ++i)
-    TORCH_CHECK(out[1 + i].defined(), "llama_forward: no layer ", capture[i], " to capture");
+    TORCH_CHECK(out[1 + i].defined(), "decoder_forward: no layer ", capture[i], " to capture");
   out[0] = rms_norm(h, final_norm, eps);
   return out;
 }
@@ -289,7 +348,7 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
     attended = at::scaled_dot_product_attention(grouped, keys, values, repeated).view({1, heads, rows, head_dim});
   }
   const at::Tensor after = hidden + project(1, attended.transpose(1, 2).reshape({1, rows, -1}));
-  return {after + project(3, gated(project(2, rms_norm(after, weights[2], eps)))), k, v};
+  return {after + project(3, gated(project(2, rms_norm(after, weights[2], eps)), false)), k, v};
 }
 
 

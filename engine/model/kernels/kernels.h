@@ -15,15 +15,16 @@
 //    first, so masked keys between them (a tree's other branches) change nothing; the query heads that share a
 //    key/value head go through together, and so do the rows of a call (a tree's nodes), each key and value read
 //    from memory once for all of them; keys and values float32 or float16 (widened exactly on load).
-// Then two whole forwards built from those and torch's own ops, in transformers' order (engine/model/fused.py): a q4
-// Llama's decoder (llama_forward) and an EAGLE-3 head's layer (eagle3_layer), without Python between their ops.
+// Then two whole forwards built from those and torch's own ops, in transformers' order (engine/model/fused.py): a
+// decoder of the Llama, Qwen2, Qwen3 or Gemma 3 family on grouped layers (decoder_forward) and an EAGLE-3 head's
+// layer (eagle3_layer), without Python between their ops.
 //
 // One job a file, all in namespace eagle_cpu, each file's own helpers in an anonymous namespace inside it:
 //   kernels.h      what the files share: vector helpers, the 8- and 16-lane traits, the switches, the entry points
 //   linear.cpp     grouped_linear: Q4_1 and Q8_0 groups against float32 rows (q4_1_linear, q8_0_linear)
 //   int8.cpp       every GGUF type's groups against int8 rows (quantize_rows, the AVX2 and AVX-512 VNNI tiles)
 //   attention.cpp  the fixed-order attention (visible_rows, attend, attention)
-//   forward.cpp    rms_norm, rotary, the residual stream, llama_forward and eagle3_layer
+//   forward.cpp    rms_norm, rotary, the residual stream, decoder_forward and eagle3_layer
 //   ops.cpp        the switches (set_wide, set_vnni) and the torch.ops.eagle_cpu registration
 #pragma once
 
@@ -231,11 +232,15 @@ struct Weights : torch::CustomClassHolder {
 };
 int64_t torch_sum_lanes();
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::vector<at::Tensor> llama_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
-                                      const std::optional<at::Tensor>& mask, const c10::intrusive_ptr<Weights>& held,
-                                      at::TensorList caches, const at::Tensor& final_norm, int64_t start,
-                                      int64_t head_dim, double eps, double scale, at::IntArrayRef capture,
-                                      bool int8);
+std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
+                                        const std::optional<at::Tensor>& local_cos,
+                                        const std::optional<at::Tensor>& local_sin,
+                                        const std::optional<at::Tensor>& mask,
+                                        const std::optional<at::Tensor>& sliding_mask,
+                                        const c10::intrusive_ptr<Weights>& held, at::TensorList caches,
+                                        const at::Tensor& final_norm, int64_t start, int64_t head_dim, double eps,
+                                        double scale, at::IntArrayRef capture, bool int8, at::IntArrayRef sliding,
+                                        bool gelu);
 std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
                                      const at::Tensor& sin, const std::optional<at::Tensor>& past_keys,
                                      const std::optional<at::Tensor>& past_values, const at::Tensor& mask,

@@ -50,9 +50,10 @@ TORCH_LIBRARY(eagle_cpu, m) {
   m.def("torch_sum_lanes() -> int", &eagle_cpu::torch_sum_lanes);
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
   m.class_<eagle_cpu::Weights>("Weights").def(torch::init<std::vector<at::Tensor>>());
-  m.def("llama_forward(Tensor embeddings, Tensor cos, Tensor sin, Tensor? mask, "
-        "__torch__.torch.classes.eagle_cpu.Weights weights, Tensor[] caches, "
-        "Tensor final_norm, int start, int head_dim, float eps, float scale, int[] capture, bool int8) -> Tensor[]");
+  m.def("decoder_forward(Tensor embeddings, Tensor cos, Tensor sin, Tensor? local_cos, Tensor? local_sin, "
+        "Tensor? mask, Tensor? sliding_mask, __torch__.torch.classes.eagle_cpu.Weights weights, Tensor[] caches, "
+        "Tensor final_norm, int start, int head_dim, float eps, float scale, int[] capture, bool int8, "
+        "int[] sliding, bool gelu) -> Tensor[]");
   m.def("eagle3_layer(Tensor embeds, Tensor hidden, Tensor cos, Tensor sin, Tensor? past_keys, Tensor? past_values, "
         "Tensor mask, Tensor[] weights, int heads, int head_dim, float eps, bool int8) -> Tensor[]");
 }
@@ -63,6 +64,6 @@ TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
   m.impl("int8_linear", &eagle_cpu::int8_linear);
   m.impl("rms_norm", &eagle_cpu::rms_norm);
   m.impl("attention", &eagle_cpu::attention);
-  m.impl("llama_forward", &eagle_cpu::llama_forward);
+  m.impl("decoder_forward", &eagle_cpu::decoder_forward);
   m.impl("eagle3_layer", &eagle_cpu::eagle3_layer);
 }
