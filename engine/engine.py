@@ -118,7 +118,7 @@ class Engine:
         self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
         self.sources = sources or Sources("a model in memory", gguf, "a head in memory" if head is not None else None)
         # A model chats where its tokenizer has a chat template; a base model without one completes plain text.
-        self.chats = chat_template and bool(getattr(tokenizer, "chat_template", None))
+        self.chats = chat_template and has_chat_template(tokenizer)
         self.corpus = _checked_corpus(corpus, model)
         self.quantized_layers = self._choose_kernels(kernels, gguf)
         self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
@@ -241,12 +241,7 @@ class Engine:
             raise ValueError("the last message must come from the user")
         if not messages[-1]["content"].strip():
             raise ValueError("the last user message is empty")
-        if not self.chats:
-            return self.encode_text(PLAIN_TURNS.join(m["content"] for m in messages))
-        ids = self.tokenizer.apply_chat_template(
-            [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return encode_messages(self.tokenizer, messages, self.chats)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of plain text for the model to continue (with the tokenizer's own start token, if it adds one)."""
@@ -302,6 +297,23 @@ class Engine:
         """Text in, text out: the assistant's whole reply."""
         ids = [tok for step in self.chat(messages, params, **options) for tok in step.tokens]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether a model chats: its tokenizer has a chat template (a base model without one continues plain text)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict], chats: bool,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """A conversation's token ids: in the chat template (ready for the assistant's reply with add_generation_prompt)
+    where the model chats, else its messages as one plain text to continue. One encoding for the engine's prompts
+    and the training data's, so a head trains on the prompts it will draft after."""
+    if not chats:
+        return list(tokenizer(PLAIN_TURNS.join(m["content"] for m in messages))["input_ids"])
+    ids = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                        add_generation_prompt=add_generation_prompt, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def oldest_turns_dropped(messages: list[dict]) -> Iterator[tuple[list[dict], int]]:

@@ -51,6 +51,7 @@ def new_head(kind: str, base_config, draft_vocab_size: int | None = None) -> Dra
         raise ValueError(f"unknown head kind {kind!r}; choose eagle1 or eagle3")
     text = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
     rope = getattr(text, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # a base with a RoPE per layer type (Gemma 3): its global layers'
     raw = {
         "hidden_size": text.hidden_size,
         "intermediate_size": text.intermediate_size,

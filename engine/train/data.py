@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..engine import oldest_turns_dropped
+from ..engine import encode_messages, has_chat_template, oldest_turns_dropped
 from ..tools.progress import progress_bar
 from .generation import generate_replies
 from ..draft.records import load_records
@@ -210,9 +210,9 @@ def fit_prompt(tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[d
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat-template tokens that precede the assistant's reply, exactly as the engine encodes a chat."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    """The tokens that precede the assistant's reply, exactly as the engine encodes a chat: the chat template, or
+    for a model without one the messages as plain text."""
+    return encode_messages(tokenizer, messages, has_chat_template(tokenizer))
 
 
 def stop_ids(tokenizer, model=None) -> list[int]:
@@ -230,11 +230,11 @@ def stop_ids(tokenizer, model=None) -> list[int]:
 
 def encode_reply(tokenizer, messages: list[dict], prompt_ids: list[int], reply: str, stops: list[int],
                  max_new_tokens: int) -> list[int]:
-    """The tokens the chat template puts after the prompt for `reply`, up to its end-of-turn token."""
-    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": reply}], tokenize=True)
-    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    """The tokens the chat template (or plain text) puts after the prompt for `reply`, up to its end-of-turn token."""
+    conversation = messages + [{"role": "assistant", "content": reply}]
+    full = encode_messages(tokenizer, conversation, has_chat_template(tokenizer), add_generation_prompt=False)
     if full[:len(prompt_ids)] != prompt_ids:
-        raise ValueError("the chat template encodes the prompt differently with a reply attached")
+        raise ValueError("the prompt encodes differently with a reply attached")
     tokens = full[len(prompt_ids):][:max_new_tokens]
     end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
     return tokens[:end]

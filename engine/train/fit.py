@@ -22,6 +22,7 @@ from accelerate import Accelerator
 from ..draft.checkpoint import save_head
 from ..draft.head import DraftHead
 from ..tools.progress import progress_bar
+from ..model.packed import PackedLinear
 from ..model.quant import QuantLinear
 
 
@@ -168,17 +169,39 @@ def target_rows(head: DraftHead, base_model) -> torch.Tensor | None:
     """The base LM-head rows of the draft vocabulary [V_d, H], for the EAGLE-3 target distribution; None for EAGLE-1."""
     if head.kind != "eagle3":
         return None
-    layer = base_model.get_output_embeddings()
-    weight = layer.dequantized() if isinstance(layer, QuantLinear) else layer.weight.detach().float()
+    weight = linear_weight(base_model.get_output_embeddings())
     return (weight[head.t2d] if head.has_vocab_map else weight).clone()
+
+
+@torch.no_grad()
+def linear_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The float32 weight [out, in] a linear layer computes with, whatever the engine made of it: a grouped layer's
+    dequantized groups; a packed layer's read back through the layer (oneDNN keeps only its blocked copy), whose
+    product with the identity is the weight exactly; else the weight itself."""
+    if isinstance(layer, QuantLinear):
+        return layer.dequantized()
+    if isinstance(layer, PackedLinear):
+        eye = torch.eye(layer.in_features, dtype=layer.weight.dtype, device=layer.weight.device)
+        product = layer(eye) if layer.bias is None else layer(eye) - layer.bias
+        return product.T.float()
+    return layer.weight.detach().float()
+
+
+@torch.no_grad()
+def norm_scale(norm: torch.nn.Module, width: int) -> torch.Tensor:
+    """The per-channel scale an RMSNorm applies, read from its output on a row of ones (to within its epsilon):
+    `weight` for most models, `1 + weight` for Gemma's."""
+    weight = norm.weight
+    return norm(torch.ones(1, width, dtype=weight.dtype, device=weight.device))[0].float()
 
 
 def init_from_base(head: DraftHead, base_model, rows: torch.Tensor | None) -> None:
     """Start a new EAGLE-3 head where the base model ends, so a short run does not spend its steps finding it.
 
-    The LM head copies `rows` (target_rows: the base LM-head rows of the draft vocabulary), the final norm copies
-    the base model's, and the fused-feature projection passes the highest fused layer through unchanged: the
-    head's first guess is the base model's own late-layer prediction. EAGLE-1 heads (rows None) stay as they are.
+    The LM head copies `rows` (target_rows: the base LM-head rows of the draft vocabulary), the final norm scales
+    as the base model's does, and the fused-feature projection passes the highest fused layer through unchanged:
+    the head's first guess is the base model's own late-layer prediction. EAGLE-1 heads (rows None) stay as they
+    are.
     """
     if head.kind != "eagle3":
         return
@@ -186,7 +209,7 @@ def init_from_base(head: DraftHead, base_model, rows: torch.Tensor | None) -> No
         head.lm_head.weight.copy_(rows)
         norm = getattr(base_model.get_decoder(), "norm", None)
         if norm is not None:
-            head.norm.weight.copy_(norm.weight.float())
+            head.norm.weight.copy_(norm_scale(norm, head.norm.weight.shape[0]))
         hidden = head.fc.weight.shape[0]
         if head.fc.weight.shape[1] == 3 * hidden:
             head.fc.weight.zero_()

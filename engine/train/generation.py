@@ -157,6 +157,26 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device: torch.devic
     return bias.masked_fill_(~visible.to(device), torch.finfo(dtype).min)[:, None]
 
 
+def sliding_window(model: PreTrainedModel) -> int | None:
+    """How far back the model's sliding-window layers see (Gemma 3's local layers); None where every layer sees the
+    whole context."""
+    layers = getattr(model.get_decoder(), "layers", [])
+    windows = (getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in layers)
+    return next((window for window in windows if window), None)
+
+
+def layer_masks(visible: torch.Tensor, positions: torch.Tensor, window: int | None, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The additive mask for visibility [R, T, L] of queries at positions [R, T] over keys at positions 0..L-1; for a
+    model with sliding-window layers one per layer type, the sliding layers' without the keys `window` or more
+    positions back (transformers uses a given mask as it is in every layer, so it must say so itself)."""
+    mask = additive_mask(visible, dtype, device)
+    if window is None:
+        return mask
+    near = torch.arange(visible.shape[-1]) > positions[..., None] - window
+    return {"full_attention": mask, "sliding_attention": additive_mask(visible & near, dtype, device)}
+
+
 class BatchGenerator:
     """Replies to many prompts, `slots` at a time; see the module docstring for why it is shaped so."""
 
@@ -170,6 +190,7 @@ class BatchGenerator:
         self.model, self.prompts, self.max_new_tokens = model, prompts, max_new_tokens
         self.prefill_tokens, self.refill = prefill_tokens, max(1, refill)
         self.body, self.lm_head = model.get_decoder(), model.get_output_embeddings()
+        self.window = sliding_window(model)
         self.sampling = Sampling(temperature)
         self.generator = torch.Generator().manual_seed(seed)
         self.stops = torch.tensor(sorted(set(stops)), dtype=torch.long)
@@ -235,8 +256,9 @@ class BatchGenerator:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         device = self.lm_head.weight.device
+        masks = layer_masks(visible, positions, self.window, self.model.dtype, device)
         out = self.body(input_ids=ids.to(device), position_ids=positions.to(device), past_key_values=self.cache,
-                        attention_mask=additive_mask(visible, self.model.dtype, device), use_cache=True)
+                        attention_mask=masks, use_cache=True)
         return out.last_hidden_state
 
     def pick(self, hidden: torch.Tensor) -> torch.Tensor:
