@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from engine import Engine
 from engine.model import kernels
@@ -74,6 +74,21 @@ def test_each_family_fused_gives_transformers_bits(shape, kernels):
     model = tiny_base(shape)
     engine = Engine(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
     assert engine.target.fused is not None, why_not_fused(model)
+    assert_fused_equals_transformers(engine, LONG_PROMPT)
+
+
+def test_llama_3_rope_scaling_fused_gives_transformers_bits():
+    """Llama 3.x's scaled rotary frequencies come in the tables the fused forward is handed."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 32})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    assert model.model.rotary_emb.rope_type == "llama3"
+    engine = Engine(model, IdsOnlyTokenizer(), pack=True, kernels="int8")
+    assert engine.target.fused is not None
     assert_fused_equals_transformers(engine, LONG_PROMPT)
 
 

@@ -206,13 +206,14 @@ def _gguf_name(name_map, parameter: str) -> str | None:
 def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str = "Q4_1", int8: bool = False) -> int:
     """Replace the float32 CPU nn.Linear layers of `model` whose inputs come in groups of 32 by QuantLinears (int8:
     on int8 activations); returns how many. With a GGUF file, the layers its groups hold exactly, of the types the
-    chosen kernels take (others keep float weights); without one, every such layer is quantized to `kind` (a PreTrainedModel's LM head to
+    chosen kernels take, and on int8 kernels its float matrices rounded to Q8_0 (so that every layer is on them);
+    without one, every such layer is quantized to `kind` (a PreTrainedModel's LM head to
     Q8_0)."""
     if not kernels.available():
         raise RuntimeError(f"QuantLinear needs engine/model/kernels: {kernels.unavailable_reason()}")
     found = gguf_groups(model, gguf_file) if gguf_file is not None else None
     lm_head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
-    count = 0
+    count = rounded = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.device.type != "cpu" or child.in_features % GROUP:
@@ -223,10 +224,16 @@ def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str 
                 groups = quantize(child.weight, "Q8_0" if child is lm_head else kind)
             elif id(child.weight) in found and (int8 or float_kernel_takes(found[id(child.weight)])):
                 groups = found[id(child.weight)]
+            elif int8:  # a float matrix of the file (F16, BF16, F32): rounded as the int8 kernels round activations
+                groups = quantize(child.weight, "Q8_0")
+                rounded += 1
             else:
                 continue
             setattr(parent, name, QuantLinear(groups, child.bias, int8))
             count += 1
+    if rounded:
+        log.info("%d float matrices of the GGUF file rounded to Q8_0 groups for the int8 kernels (kernels='float' "
+                 "keeps them as they are)", rounded)
     if found is not None and isinstance(model, PreTrainedModel):
         _embed_from_groups(model, found, tied=lm_head is not None and lm_head.weight is model.get_input_embeddings()
                            .weight)

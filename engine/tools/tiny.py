@@ -56,6 +56,16 @@ MORE_SHAPES = {
     "gemma3-h64-l8-swa": (Gemma3TextConfig, Gemma3ForCausalLM,
                           dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=16, sliding_window=32)),
+    # Rows of 256 and 512 weights, so that every projection takes K-quant blocks (256 weights each).
+    "llama-h256-l3": (LlamaConfig, LlamaForCausalLM,
+                      dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=512)),
+    "qwen2-h256-l3": (Qwen2Config, Qwen2ForCausalLM,
+                      dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=512, tie_word_embeddings=True)),
+    "gemma3-h256-l6-swa": (Gemma3TextConfig, Gemma3ForCausalLM,
+                           dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=64, sliding_window=32, intermediate_size=512)),
 }
 # A dynamic tree that branches and reaches three levels: lossless checks need tree rows that see different
 # ancestors (the default tree drafts a single token).
@@ -73,8 +83,8 @@ def tiny_base(shape: str, vocab: int = VOCAB, seed: int = 0, dtype: torch.dtype 
     config_cls, model_cls, sizes = (SHAPES | MORE_SHAPES)[shape]
     torch.manual_seed(seed)
     config = config_cls(
-        vocab_size=vocab, intermediate_size=96, initializer_range=0.25, max_position_embeddings=256, eos_token_id=None,
-        bos_token_id=None, pad_token_id=None, **sizes,
+        vocab_size=vocab, initializer_range=0.25, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None, **({"intermediate_size": 96} | sizes),
     )
     model = model_cls(config).to(dtype).eval().requires_grad_(False)
     if config.model_type == "gemma3_text":

@@ -1,0 +1,77 @@
+"""A user's GGUF of any supported architecture and tensor type on the fast exact path: every projection on the int8
+kernels with the file's own groups (float matrices rounded to Q8_0), the decoder in one kernel call, and greedy
+EAGLE, context drafting and plain decoding giving the same tokens, with tree rows the bits of one-token steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import BRANCHING, random_head, tokens_of
+from engine import Engine
+from engine.model import kernels
+from engine.model.load import load_base
+from engine.model.quant import QuantLinear
+from engine.tools.tiny import GGUF_VOCAB, tiny_base, write_gguf
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
+WIDE = {"llama": "llama-h256-l3", "qwen2": "qwen2-h256-l3", "gemma3": "gemma3-h256-l6-swa"}
+# What llama.cpp's Q4_K_M mix gives a layer: Q4_K, with v and down (and the embedding) in Q6_K.
+Q4_K_M = {"default": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
+FLOATS = ("F16", "BF16", "F32")
+# Past Gemma's 32-token window.
+PROMPT = torch.randint(0, GGUF_VOCAB, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def grouped_engine(path, head: bool = True) -> Engine:
+    model, tokenizer = load_base(str(path))
+    return Engine(model, tokenizer, random_head(model, "eagle3") if head else None, pack=True, kernels="int8",
+                  gguf=path)
+
+
+def assert_tree_rows_are_one_token_steps(engine: Engine) -> None:
+    target = engine.target
+    tree = target.new_cache()
+    target.forward(torch.tensor(PROMPT), tree)
+    cached = tree.get_seq_length()
+    visible = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(3, cached, dtype=torch.bool), visible], dim=1)
+    rows, _ = target.forward(torch.tensor([3, 7, 8]), tree, cached + torch.tensor([0, 1, 1]), mask)
+    for row, path in ((0, [3]), (1, [3, 7]), (2, [3, 8])):
+        steps = target.new_cache()
+        target.forward(torch.tensor(PROMPT), steps)
+        for token in path:
+            hidden, _ = target.forward(torch.tensor([token]), steps)
+        assert torch.equal(rows[row], hidden[0]), (row, path)
+
+
+CASES = [("llama", kind) for kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", *FLOATS)]
+CASES += [("llama", "Q4_K_M"), ("qwen2", "Q4_K_M"), ("gemma3", "Q4_K_M"), ("gemma3", "Q5_0")]
+
+
+@pytest.mark.parametrize("architecture, kind", CASES)
+def test_a_gguf_of_each_type_decodes_losslessly_on_the_fast_path(tmp_path, monkeypatch, architecture, kind):
+    monkeypatch.setenv("EAGLE_CHAT_CACHE", str(tmp_path / "cache"))
+    types = Q4_K_M if kind == "Q4_K_M" else kind
+    path = write_gguf(tiny_base(WIDE[architecture], GGUF_VOCAB), tmp_path / f"{architecture}-{kind}.gguf", types)
+    engine = grouped_engine(path)
+    assert engine.target.fused is not None
+    projections = [m for layer in engine.model.get_decoder().layers for m in layer.modules()
+                   if isinstance(m, QuantLinear)]
+    assert len(projections) == 7 * len(engine.model.get_decoder().layers) and all(m.int8 for m in projections)
+    expected = {"Q4_K", "Q6_K"} if kind == "Q4_K_M" else {"Q8_0"} if kind in FLOATS else {kind}
+    assert {m.kind for m in projections} == expected
+    assert_tree_rows_are_one_token_steps(engine)
+    vanilla = tokens_of(engine.generate(PROMPT, method="vanilla", max_new_tokens=40))
+    assert tokens_of(engine.generate(PROMPT, method="suffix", max_new_tokens=40)) == vanilla
+    assert tokens_of(engine.generate(PROMPT, method="eagle", max_new_tokens=40, **BRANCHING)) == vanilla
+
+
+def test_the_embedding_is_read_from_the_files_groups(tmp_path, monkeypatch):
+    """No float table is kept: the rows looked up are the file's groups dequantized, Gemma's scale on them."""
+    monkeypatch.setenv("EAGLE_CHAT_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tiny_base(WIDE["gemma3"], GGUF_VOCAB), tmp_path / "gemma.gguf", Q4_K_M)
+    float_model, _ = load_base(str(path))
+    reference = float_model.get_input_embeddings()(torch.tensor([[0, 5, 319]]))
+    engine = grouped_engine(path, head=False)
+    table = engine.model.get_input_embeddings()
+    assert table.weight.numel() == 0 and torch.equal(table(torch.tensor([[0, 5, 319]])), reference)
