@@ -24,7 +24,8 @@ from .model.attention import use_wide_attention
 from .model.cache import GrowingCache
 from .model.fused import why_not_fused
 from .model.gguf_tensors import gguf_tensor_types
-from .model.load import DEFAULT_BASE, load_base, resolve_dtype
+from .model.gguf_load import load_grouped, loads_directly
+from .model.load import DEFAULT_BASE, load_base, load_tokenizer, resolve_dtype
 from .model.packed import bf16_native, pack_linears, packable_dtypes
 from .model.quant import GROUPED, QuantLinear, quantize_linears
 from .model.target import Target
@@ -126,9 +127,12 @@ class Engine:
         self._build_collaborators(follow_load, reuse_prefixes)
 
     def _choose_kernels(self, kernels: str, gguf: Path | None) -> int:
-        """Put the base model (and a head beside it) on grouped kernels if asked; returns the layers replaced."""
-        replaced = quantize_linears(self.model, gguf, int8=kernels == "int8") if kernels in GROUPED else 0
+        """Put the base model (and a head beside it) on grouped kernels if asked (a model built on them already,
+        engine.model.gguf_load, stays as it is); returns the layers on them."""
+        if kernels in GROUPED and _kernels_of(self.model) == "float":
+            quantize_linears(self.model, gguf, int8=kernels == "int8")
         self.kernels = _kernels_of(self.model)
+        replaced = sum(isinstance(m, QuantLinear) for m in self.model.modules())
         if self.kernels in GROUPED and self.head is not None:  # drafts only: its rounding never changes the output
             replaced += quantize_linears(self.head, kind="Q8_0", int8=self.kernels == "int8")
         return replaced
@@ -170,9 +174,13 @@ class Engine:
         weights, attach the head, and build the engine over them."""
         options = options.resolved()
         corpus = CorpusIndex.from_files(list(options.corpus)) if options.corpus else None
-        model, tokenizer = load_base(options.base, dtype=options.dtype, device=options.device,
-                                     attn_implementation=options.attn, quantization=options.quantization,
-                                     max_memory=options.max_memory)
+        if options.kernels in GROUPED and options.gguf is not None and loads_directly(options.gguf):
+            model = load_grouped(options.gguf, options.kernels == "int8", options.attn)
+            tokenizer = load_tokenizer(options.base)
+        else:
+            model, tokenizer = load_base(options.base, dtype=options.dtype, device=options.device,
+                                         attn_implementation=options.attn, quantization=options.quantization,
+                                         max_memory=options.max_memory)
         head = _load_head(options.head, model, options.head_dtype, options.pack, options.kernels) if options.head \
             else None
         gguf = options.gguf

@@ -132,5 +132,5 @@ def test_two_processes_converting_at_once_both_get_one_whole_copy(tmp_path, monk
     weights = folders[0] / "model.safetensors"
     kept = weights.stat().st_ino
     both_loaded = threading.Barrier(1)  # alone this time: nobody to wait for
-    gguf_cache._convert(gguf, gguf_cache._source_facts(gguf))  # finishing second, it keeps what the other reads
+    gguf_cache._convert(gguf, gguf_cache._source_facts(gguf), True)  # finishing second, it keeps what the other reads
     assert weights.stat().st_ino == kept

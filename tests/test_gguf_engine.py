@@ -75,3 +75,25 @@ def test_the_embedding_is_read_from_the_files_groups(tmp_path, monkeypatch):
     engine = grouped_engine(path, head=False)
     table = engine.model.get_input_embeddings()
     assert table.weight.numel() == 0 and torch.equal(table(torch.tensor([[0, 5, 319]])), reference)
+
+
+@pytest.mark.parametrize("architecture, kind", [("llama", "Q4_K_M"), ("qwen2", "Q4_K_M"), ("gemma3", "Q4_K_M"),
+                                                ("llama", "F16"), ("gemma3", "Q4_0")])
+def test_a_model_built_from_the_files_blocks_is_the_one_transformers_loading_gives(tmp_path, monkeypatch,
+                                                                                 architecture, kind):
+    """Engine.load builds a grouped GGUF base straight from the file (no float32 copy): every tensor and every
+    decoded token as through transformers' dequantizing load followed by quantize_linears."""
+    monkeypatch.setenv("EAGLE_CHAT_CACHE", str(tmp_path / "cache"))
+    types = Q4_K_M if kind == "Q4_K_M" else kind
+    path = write_gguf(tiny_base(WIDE[architecture], GGUF_VOCAB), tmp_path / f"{architecture}-{kind}.gguf", types)
+    direct = Engine.load(str(path), head=None, corpus=None)
+    reference = grouped_engine(path, head=False)
+    assert not any(isinstance(m, torch.nn.Linear) for m in direct.model.modules())
+    ours = {**dict(direct.model.named_parameters()), **dict(direct.model.named_buffers())}
+    theirs = {**dict(reference.model.named_parameters()), **dict(reference.model.named_buffers())}
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
+    ids = direct.encode_text("the sea and the moon")
+    assert tokens_of(direct.generate(ids, method="vanilla", max_new_tokens=30)) == \
+        tokens_of(reference.generate(ids, method="vanilla", max_new_tokens=30))

@@ -44,7 +44,9 @@ def test_gguf_tensors_are_read_as_gguf_py_reads_them(tmp_path):
     rng = np.random.default_rng(0)
     weights = {"blk.0.ffn_up.weight": (rng.normal(size=(96, 64)).astype(np.float32), "Q4_1"),
                "token_embd.weight": (rng.normal(size=(40, 64)).astype(np.float32), "Q8_0"),
-               "blk.0.attn_norm.weight": (rng.normal(size=(64,)).astype(np.float32), "F32")}
+               "blk.0.attn_norm.weight": (rng.normal(size=(64,)).astype(np.float32), "F32"),
+               "blk.0.attn_q.weight": (rng.normal(size=(64, 64)).astype(np.float32), "F16"),
+               "blk.0.attn_k.weight": (rng.normal(size=(32, 64)).astype(np.float32), "BF16")}
     _gguf_file(tmp_path / "tiny.gguf", weights)
     architecture, tensors = read_tensors(tmp_path / "tiny.gguf")
     reference = gguf.GGUFReader(str(tmp_path / "tiny.gguf")).tensors
@@ -54,8 +56,9 @@ def test_gguf_tensors_are_read_as_gguf_py_reads_them(tmp_path):
             assert ours.kind == theirs.tensor_type.name and np.array_equal(ours.blocks, theirs.data)
             dequantized = groups_from_blocks(ours.kind, ours.blocks).dequantize().numpy()
             assert np.array_equal(dequantized, gguf.quants.dequantize(theirs.data, theirs.tensor_type))
-        else:
-            assert ours.blocks is None
+        else:  # the float types' values, as gguf-py reads them
+            assert ours.kind == theirs.tensor_type.name and not ours.grouped
+            assert np.array_equal(ours.floats(), gguf.quants.dequantize(theirs.data, theirs.tensor_type))
 
 
 @pytest.mark.parametrize("kind", KINDS)

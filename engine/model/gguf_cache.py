@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils.quantization_config import GgufConfig
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,9 @@ def _source_facts(gguf: Path) -> dict:
     return {"sha256": sha256(gguf), "bytes": gguf.stat().st_size, "transformers": transformers.__version__}
 
 
-def _folder(facts: dict) -> Path:
-    return cache_root() / "gguf" / f"{facts['sha256'][:24]}-transformers-{facts['transformers']}"
+def _folder(facts: dict, weights: bool = True) -> Path:
+    return cache_root() / "gguf" / (f"{facts['sha256'][:24]}-transformers-{facts['transformers']}"
+                                    f"{'' if weights else '-described'}")
 
 
 def converted_folder(gguf: Path) -> Path:
@@ -82,19 +83,25 @@ def _remove_unused(root: Path) -> None:
             shutil.rmtree(marker.parent, ignore_errors=True)
 
 
-def _convert(gguf: Path, facts: dict) -> None:
-    folder = _folder(facts)
+def _convert(gguf: Path, facts: dict, weights: bool) -> None:
+    """Write the folder: config, generation config and tokenizer, and with `weights` the float32 weights."""
+    folder = _folder(facts, weights)
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_unused(folder.parent)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:
-        log.info("converting %s once into %s (later loads skip parsing the GGUF)", gguf, folder)
-        AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, local_files_only=True, dtype=torch.float32,
-            quantization_config=dequantizing(gguf.name),
-        ).save_pretrained(staging)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-        tokenizer.save_pretrained(staging)
+        source = {"gguf_file": gguf.name, "local_files_only": True}
+        if weights:
+            log.info("converting %s once into %s (later loads skip parsing the GGUF)", gguf, folder)
+            AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32,
+                                                 quantization_config=dequantizing(gguf.name), **source
+                                                 ).save_pretrained(staging)
+        else:
+            log.info("reading %s's configuration and tokenizer once into %s", gguf, folder)
+            config = AutoConfig.from_pretrained(str(gguf.parent), **source)
+            config.save_pretrained(staging)
+            GenerationConfig.from_model_config(config).save_pretrained(staging)
+        AutoTokenizer.from_pretrained(str(gguf.parent), **source).save_pretrained(staging)
         (staging / COMPLETE).write_text(json.dumps(facts, sort_keys=True))
         if _is_complete(folder, facts):  # another process finished first (and may be loading from it)
             return
@@ -108,16 +115,20 @@ def _convert(gguf: Path, facts: dict) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def converted(gguf: Path) -> Path | None:
+def converted(gguf: Path, weights: bool = True) -> Path | None:
     """The converted folder of a local GGUF, converting it on first use; None where no copy is kept (a file too
-    large to copy in float32, or a cache that cannot be written), and the caller loads the GGUF itself."""
-    if gguf.stat().st_size * 8 > MAX_CONVERTED_BYTES:  # at ≥ 4 bits a weight, float32 takes ≥ 8× the file
+    large to copy in float32, or a cache that cannot be written), and the caller loads the GGUF itself. weights=False:
+    a folder with the configuration and tokenizer only (what a model built straight from the GGUF's groups needs),
+    or the full copy where one exists."""
+    if weights and gguf.stat().st_size * 8 > MAX_CONVERTED_BYTES:  # at ≥ 4 bits a weight, float32 takes ≥ 8×
         return None
     facts = _source_facts(gguf)
-    folder = _folder(facts)
-    if not _is_complete(folder, facts):
+    folder = _folder(facts, weights)
+    if not weights and _is_complete(_folder(facts), facts):
+        folder = _folder(facts)
+    elif not _is_complete(folder, facts):
         try:
-            _convert(gguf, facts)
+            _convert(gguf, facts, weights)
         except OSError as err:
             log.warning("could not keep a converted copy of %s under %s (%s): parsing the GGUF on every load",
                         gguf, cache_root(), err)

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .groups import BLOCK_TYPES
+from .groups import BLOCK_SHAPES, BLOCK_TYPES
+
+# The float types read as values: type id -> (name, bytes a value).
+FLOAT_TYPES = {0: ("F32", 4), 1: ("F16", 2), 30: ("BF16", 2)}
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -24,12 +27,25 @@ _STRING, _ARRAY = 8, 9
 @dataclass
 class TensorBlocks:
     """One tensor as GGUF stores it: `shape` in GGUF's order (fastest-varying first), `blocks` [rows, bytes per
-    row] uint8 for the grouped types (engine.model.groups; None for other types)."""
+    row] uint8 for the grouped types (engine.model.groups) and the float ones (None for other types)."""
 
     name: str
     kind: str
     shape: tuple[int, ...]
     blocks: np.ndarray | None
+
+    @property
+    def grouped(self) -> bool:
+        return self.kind in BLOCK_SHAPES
+
+    def floats(self) -> np.ndarray:
+        """A float tensor's values as float32, in numpy's order (slowest-varying first)."""
+        raw = self.blocks.reshape(-1)
+        if self.kind == "BF16":
+            values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            values = raw.view(np.float32 if self.kind == "F32" else np.float16).astype(np.float32)
+        return values.reshape(self.shape[::-1])
 
 
 class _Cursor:
@@ -121,9 +137,10 @@ def _data_bytes(shape: tuple[int, ...], kind: int) -> int:
 
 
 def _blocks(data: mmap.mmap, start: int, name: str, shape: tuple[int, ...], kind: int, offset: int) -> TensorBlocks:
-    if kind not in BLOCK_TYPES:
+    if kind not in BLOCK_TYPES and kind not in FLOAT_TYPES:
         return TensorBlocks(name, _type_name(kind), shape, None)
-    label, weights, size = BLOCK_TYPES[kind]
+    label, weights, size = BLOCK_TYPES[kind] if kind in BLOCK_TYPES else (FLOAT_TYPES[kind][0], 1,
+                                                                          FLOAT_TYPES[kind][1])
     rows, row_bytes = int(np.prod(shape[1:])), shape[0] // weights * size
     blocks = np.frombuffer(data, dtype=np.uint8, count=rows * row_bytes, offset=start + offset)
     return TensorBlocks(name, label, shape, blocks.reshape(rows, row_bytes))

@@ -78,7 +78,8 @@ def _source(base: str | None) -> tuple[str, dict]:
 
 
 def load_tokenizer(base: str | None = None) -> PreTrainedTokenizerBase:
-    return _with_converted(_source(base), lambda name, kwargs: AutoTokenizer.from_pretrained(name, **kwargs))
+    return _with_converted(_source(base), lambda name, kwargs: AutoTokenizer.from_pretrained(name, **kwargs),
+                           weights=False)
 
 
 def _gguf_path(name: str, kwargs: dict) -> Path:
@@ -88,16 +89,17 @@ def _gguf_path(name: str, kwargs: dict) -> Path:
     return Path(hf_hub_download(name, kwargs["gguf_file"], revision=kwargs.get("revision")))
 
 
-def _with_converted(source: tuple[str, dict], load):
-    """load(name, kwargs) from a GGUF's converted folder (engine.model.gguf_cache) where one is kept, else from `source`.
-    A converted copy that fails to load is converted again once, so a damaged cache costs time, never the load."""
+def _with_converted(source: tuple[str, dict], load, weights: bool = True):
+    """load(name, kwargs) from a GGUF's converted folder (engine.model.gguf_cache; weights=False: one with its
+    configuration and tokenizer at least) where one is kept, else from `source`. A converted copy that fails to load
+    is converted again once, so a damaged cache costs time, never the load."""
     name, kwargs = source
     if "gguf_file" not in kwargs:
         return load(name, kwargs)
     gguf = _gguf_path(name, kwargs)
     read_tensors(gguf)  # a corrupt or truncated file is refused here, by name, before transformers parses it
     for attempt in range(2):
-        folder = gguf_cache.converted(gguf)
+        folder = gguf_cache.converted(gguf, weights)
         if folder is None:
             return load(str(gguf.parent), {"gguf_file": gguf.name, "local_files_only": True})
         try:

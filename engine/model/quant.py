@@ -170,7 +170,7 @@ def gguf_groups(model: PreTrainedModel, path: Path) -> dict[int, Groups]:
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     architecture, tensors = read_tensors(path)
-    stored = {t.name: t for t in tensors if t.blocks is not None}
+    stored = {t.name: t for t in tensors if t.grouped}
     arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
     if arch is None:
         return {}
@@ -261,7 +261,7 @@ class GroupedEmbedding(nn.Module):
         super().__init__()
         self._table = (table,)  # not a submodule: a tied table is the LM head's, which the model holds already
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
-        self.scale = scale
+        self.register_buffer("scale", None if scale is None else scale.detach().clone(), persistent=False)
         self.register_buffer("weight", torch.empty(0), persistent=False)  # its dtype, for code that asks
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

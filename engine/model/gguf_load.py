@@ -1,0 +1,140 @@
+"""A GGUF base built straight onto the grouped kernels: each matrix becomes a QuantLinear from the file's own blocks,
+the embedding a GroupedEmbedding over them, and only the small float tensors (norms, biases) are read as floats.
+
+transformers loads a GGUF by dequantizing every tensor to float32: 8x a Q4 file's size in memory and most of a load's
+time (a 1B model: 4.4 GB and half a minute), only for the grouped kernels to throw the floats away again; an 8B
+file would not fit a 24 GB machine at all. Here the model's modules are made without weights (accelerate's
+init_empty_weights), from the configuration and tokenizer gguf_cache keeps, and filled from the memory-mapped file.
+The groups are the numbers transformers would have dequantized (engine.model.groups reads each type as gguf-py
+does, tests/test_gguf_types.py), its tensor processors put the rows in transformers' order (Llama's q and k) and
+Gemma's norms in its convention, so the model is the one transformers' loading and quantize_linears give.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from . import gguf_cache
+from .gguf_tensors import TensorBlocks, read_tensors
+from .groups import groups_from_blocks, quantize
+from .quant import GroupedEmbedding, QuantLinear, float_kernel_takes
+
+log = logging.getLogger(__name__)
+# The GGUF architectures whose tensors map one to one onto transformers' modules (engine.model.fused's families).
+DIRECT = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def loads_directly(gguf: Path) -> bool:
+    """Whether load_grouped builds this file's model (else transformers' loading and quantize_linears do)."""
+    return read_tensors(gguf)[0] in DIRECT
+
+
+def load_grouped(gguf: Path, int8: bool, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """The model of `gguf` with every matrix on the grouped kernels (int8: on int8 activations; a float matrix, or
+    one of a type the float-activation kernels do not take, rounded to Q8_0 there, kept as floats for them)."""
+    from accelerate import init_empty_weights
+
+    folder = gguf_cache.converted(gguf, weights=False)
+    config = AutoConfig.from_pretrained(str(folder) if folder else str(gguf.parent),
+                                        **({} if folder else {"gguf_file": gguf.name}))
+    with init_empty_weights(include_buffers=False):  # rotary tables and scales are made, weights are not
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    _Filler(model, gguf, int8).fill()
+    model.name_or_path = config.name_or_path = str(gguf)
+    return model.eval().requires_grad_(False)
+
+
+class _Filler:
+    """Puts the file's tensors into the model's empty modules, by the names gguf's tensor map gives them."""
+
+    def __init__(self, model: PreTrainedModel, gguf: Path, int8: bool):
+        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        self.model, self.gguf, self.int8 = model, gguf, int8
+        architecture, tensors = read_tensors(gguf)
+        self.stored = {t.name: t for t in tensors}
+        arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == architecture)
+        self.names = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
+        self.processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+
+    def fill(self) -> None:
+        head = self.model.get_output_embeddings()
+        table = self.model.get_input_embeddings()
+        embedding = self.stored.get(self._gguf_name(f"{self._name_of(table)}.weight") or "")
+        for parent in list(self.model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, self._linear(child, embedding if child is head else None))
+        head = self.model.get_output_embeddings()
+        self.model.set_input_embeddings(self._embedding(table, embedding, head))
+        for name, parameter in list(self.model.named_parameters()):
+            if parameter.is_meta:
+                self._set(name, torch.from_numpy(self._floats(self._stored(name))))
+
+    def _name_of(self, module: nn.Module) -> str:
+        return next(name for name, candidate in self.model.named_modules(remove_duplicate=False) if candidate is module)
+
+    def _gguf_name(self, parameter: str) -> str | None:
+        module, _, kind = parameter.rpartition(".")
+        base = self.names.get_name(module)
+        return None if base is None else f"{base}.{kind}"
+
+    def _stored(self, parameter: str) -> TensorBlocks:
+        tensor = self.stored.get(self._gguf_name(parameter) or "")
+        if tensor is None:
+            raise ValueError(f"{self.gguf} has no tensor for {parameter} ({self._gguf_name(parameter)})")
+        if tensor.blocks is None:
+            raise ValueError(f"{self.gguf}: {tensor.name} is {tensor.kind}, a type the engine does not read")
+        return tensor
+
+    def _processed(self, tensor: TensorBlocks, values):
+        """Rows in transformers' order and values in its convention, as its loader makes them."""
+        return self.processor.process(weights=values, name=tensor.name).weights
+
+    def _floats(self, tensor: TensorBlocks):
+        if tensor.grouped:
+            return self._processed(tensor, groups_from_blocks(tensor.kind, tensor.blocks).dequantize().numpy())
+        return self._processed(tensor, tensor.floats()).copy()
+
+    def _linear(self, linear: nn.Linear, tied: TensorBlocks | None) -> nn.Module:
+        """A QuantLinear of the file's groups for `linear` (an LM head the file ties to the embedding reads the
+        embedding's), or Q8_0 groups of a float matrix on int8 kernels, or float weights."""
+        name = self._name_of(linear)
+        tensor = self.stored.get(self._gguf_name(f"{name}.weight") or "") or tied
+        if tensor is None:
+            raise ValueError(f"{self.gguf} has no tensor for {name}.weight")
+        bias = None if linear.bias is None else torch.from_numpy(self._floats(self._stored(f"{name}.bias")))
+        if tensor.grouped:
+            groups = groups_from_blocks(tensor.kind, self._processed(tensor, tensor.blocks))
+            if self.int8 or float_kernel_takes(groups):
+                return QuantLinear(groups, bias, self.int8)
+        weight = torch.from_numpy(self._floats(tensor))
+        if self.int8:
+            return QuantLinear(quantize(weight, "Q8_0"), bias, True)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias, requires_grad=False)
+        return linear
+
+    def _embedding(self, table: nn.Embedding, tensor: TensorBlocks | None, head: nn.Module) -> nn.Module:
+        """The input embedding over the file's groups (the LM head's own where the head reads the same tensor), or
+        a float table for a float tensor."""
+        if tensor is None:
+            raise ValueError(f"{self.gguf} has no token embedding (token_embd.weight)")
+        scale = getattr(table, "embed_scale", None)
+        scale = None if scale is None else scale.to(torch.float32)
+        if tensor.grouped:
+            tied = self.stored.get("output.weight") is None and isinstance(head, QuantLinear)
+            rows = head if tied else QuantLinear(groups_from_blocks(tensor.kind, tensor.blocks), None, int8=True)
+            return GroupedEmbedding(rows, scale)
+        table.weight = nn.Parameter(torch.from_numpy(self._floats(tensor)), requires_grad=False)
+        return table
+
+    def _set(self, name: str, value: torch.Tensor) -> None:
+        module, _, attribute = name.rpartition(".")
+        setattr(self.model.get_submodule(module), attribute, nn.Parameter(value, requires_grad=False))
