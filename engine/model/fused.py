@@ -92,9 +92,8 @@ class FusedDecoder:
         empty = torch.empty(0)
         for name in PROJECTIONS:
             projection = layer.get_submodule(name)
-            tensors += [projection.codes, projection.scales,
-                        empty if projection.mins is None else projection.mins,
-                        empty if projection.bias is None else projection.bias]
+            parts = (projection.mins, projection.block_scales, projection.block_mins, projection.bias)
+            tensors += [projection.codes, projection.scales, *(empty if t is None else t for t in parts)]
         return tensors
 
     @torch.inference_mode()

@@ -33,6 +33,18 @@ BLOCK_SHAPES = {name: (weights, size) for name, weights, size in BLOCK_TYPES.val
 
 
 @dataclass
+class BlockFactors:
+    """A K-quant's scales and mins as its blocks hold them: small integers per group (per 16 weights for Q6_K) times
+    a float16 per block of 256 weights: scales = block_scales (over the block's groups) * group_scales exactly, and
+    mins alike (block_mins being -dmin). What the int8 kernels keep: a quarter of float32 scales' and mins' bytes."""
+
+    group_scales: torch.Tensor  # int8 [out, groups or 2 * groups]
+    block_scales: torch.Tensor  # float32 [out, in / 256], float16 values
+    group_mins: torch.Tensor | None = None  # int8 [out, groups]
+    block_mins: torch.Tensor | None = None  # float32 [out, in / 256]
+
+
+@dataclass
 class Groups:
     """One weight [out, in] as `kind`'s groups of 32 along `in`: codes uint8 [out, in/2] (4-bit pairs) or int8
     [out, in] (8-bit); scales float32 [out, in/32], or [out, in/16] for a scale per 16 weights; mins float32
@@ -42,6 +54,7 @@ class Groups:
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
+    factors: BlockFactors | None = None  # a K-quant's, from which its scales and mins are made
 
     @property
     def four_bit(self) -> bool:
@@ -78,13 +91,14 @@ def groups_from_blocks(kind: str, blocks: np.ndarray) -> Groups:
     rows = blocks.shape[0]
     weights, size = BLOCK_SHAPES[kind]
     raw = np.ascontiguousarray(blocks).reshape(rows, -1, size)
-    codes, scales, mins = _READERS[kind](raw)
-    groups = raw.shape[1] * weights // GROUP
-    return Groups(
-        kind, torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, -1))),
-        torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=np.float32)),
-        None if mins is None else torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, groups),
-                                                                        dtype=np.float32)))
+    codes, scales, mins, *factors = _READERS[kind](raw)
+
+    def rows_of(array: np.ndarray | None, dtype=np.float32) -> torch.Tensor | None:
+        return None if array is None else torch.from_numpy(np.ascontiguousarray(array.reshape(rows, -1), dtype=dtype))
+
+    block = None if not factors else BlockFactors(
+        rows_of(factors[0], np.int8), rows_of(factors[1]), rows_of(factors[2], np.int8), rows_of(factors[3]))
+    return Groups(kind, rows_of(codes, codes.dtype), rows_of(scales), rows_of(mins), block)
 
 
 def _halves(raw: np.ndarray, at: int) -> np.ndarray:
@@ -141,18 +155,21 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([chunks & 15, chunks >> 4], axis=-2).reshape(*qs.shape[:-1], 8, 32)
 
 
-def _read_q4_k(raw):
+def _k_factors(raw, codes):
+    """Q4_K/Q5_K codes with their scales and mins: d * scale_j and -dmin * min_j, and those factors themselves."""
     scales, mins = _k_scales_mins(raw[..., 4:16])
+    d, minus_dmin = _halves(raw, 0), -_halves(raw, 2)
+    return codes, d[..., None] * scales, minus_dmin[..., None] * mins, scales, d, mins, minus_dmin
+
+
+def _read_q4_k(raw):
     q = _k_low_nibbles(raw[..., 16:])
-    return (_nibble_pairs(q[..., :16], q[..., 16:]), _halves(raw, 0)[..., None] * scales,
-            -(_halves(raw, 2)[..., None] * mins))
+    return _k_factors(raw, _nibble_pairs(q[..., :16], q[..., 16:]))
 
 
 def _read_q5_k(raw):
-    scales, mins = _k_scales_mins(raw[..., 4:16])
     high = (raw[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # bit j of byte l: group j's l-th
-    q = (_k_low_nibbles(raw[..., 48:]) | (high << 4)).astype(np.int8)
-    return q, _halves(raw, 0)[..., None] * scales, -(_halves(raw, 2)[..., None] * mins)
+    return _k_factors(raw, (_k_low_nibbles(raw[..., 48:]) | (high << 4)).astype(np.int8))
 
 
 def _read_q6_k(raw):
@@ -164,7 +181,8 @@ def _read_q6_k(raw):
     high = (high & 3).reshape(*raw.shape[:-1], 2, 128)
     q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(*raw.shape[:-1], SUPER)
     scales = raw[..., 192:208].view(np.int8).astype(np.float32)
-    return q, _halves(raw, 208)[..., None] * scales, None
+    d = _halves(raw, 208)
+    return q, d[..., None] * scales, None, scales, d, None, None
 
 
 _READERS = {"Q4_0": _read_q4_0, "Q4_1": _read_q4_1, "Q5_0": _read_q5_0, "Q5_1": _read_q5_1, "Q8_0": _read_q8_0,

@@ -46,27 +46,47 @@ class Repacked:
     [tiles, in/32, chunks, 16, 4]: 4-bit codes in 4 chunks of nibble pairs, byte k of chunk c holding weights 4c + k
     and 4c + k + 16 as GGUF's byte 4c + k does; 8-bit codes in 8 chunks), scales [tiles, in/32, (2,) 16] and mins
     [tiles, in/32, 16]: float16 where every value is one, as GGUF keeps Q4_1's and Q8_0's (a sixth of a Q4_1 layer's
-    bytes fewer than float32 for kernels that read every byte a step), else float32 (a K-quant's block scale times
-    its group's)."""
+    bytes fewer than float32 for kernels that read every byte a step), else float32; for a K-quant, its integer
+    group scales and mins (int8) with its blocks' float16 ones [tiles, in/256, 16] (block_scales, block_mins), which
+    the kernel multiplies back into the very float32 products."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+    block_scales: torch.Tensor | None = None
+    block_mins: torch.Tensor | None = None
+
+    def float_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scales and mins in this layout as float32 (a K-quant's multiplied out)."""
+        if self.block_scales is None:
+            return self.scales.float(), None if self.mins is None else self.mins.float()
+        per = self.scales.shape[1] // self.block_scales.shape[1]  # groups a block
+        scales = self.scales.float() * self.block_scales.float().repeat_interleave(per, dim=1).view(
+            *self.scales.shape[:2], *([1] * (self.scales.dim() - 3)), self.scales.shape[-1])
+        mins = None if self.mins is None else \
+            self.mins.float() * self.block_mins.float().repeat_interleave(per, dim=1)
+        return scales, mins
 
     def groups(self, kind: str, out_features: int) -> Groups:
-        """The Groups that `repack` laid out as these (its inverse)."""
+        """The Groups that `repack` laid out as these (its inverse, its scales and mins as float32)."""
         tiles, count, chunks = self.codes.shape[:3]
         codes = self.codes.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, count * chunks * 4)[:out_features]
-        by_row = [None if t is None else _lanes_first(t).reshape(tiles * TILE, -1)[:out_features].float()
-                  for t in (self.scales, self.mins)]
+        by_row = [None if t is None else _lanes_first(t).reshape(tiles * TILE, -1)[:out_features]
+                  for t in self.float_scales()]
         return Groups(kind, codes.contiguous(), *by_row)
 
     def rows(self, kind: str, rows: torch.Tensor) -> Groups:
-        """The groups of output features `rows`, gathered from their tiles' lanes."""
+        """The groups of output features `rows`, gathered from their tiles' lanes (an embedding's lookup: only
+        those rows' scales are multiplied out)."""
         tiles, lanes = rows // TILE, rows % TILE
+
+        def gathered(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else (t[tiles, :, lanes] if t.dim() == 3 else t[tiles, :, :, lanes])[..., None]
+
         codes = self.codes[tiles, :, :, lanes, :].reshape(len(rows), -1)  # [rows, groups * chunks * 4]
-        by_row = [None if t is None else (t[tiles, :, lanes] if t.dim() == 3 else t[tiles, :, :, lanes])
-                  .reshape(len(rows), -1).float() for t in (self.scales, self.mins)]
+        picked = Repacked(self.codes, *(gathered(t) for t in (self.scales, self.mins, self.block_scales,
+                                                              self.block_mins)))  # one lane, tile by row
+        by_row = [None if t is None else t.reshape(len(rows), -1) for t in picked.float_scales()]
         return Groups(kind, codes, *by_row)
 
 
@@ -84,13 +104,24 @@ def repack(groups: Groups) -> Repacked:
     def padded(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(tiles * TILE - out, *t.shape[1:])])
 
+    def by_lane(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """[out, n] (or [out, 2n]: two a group) as [tiles, n, (2,) 16]."""
+        if t is None:
+            return None
+        return padded(t).view(tiles, TILE, t.shape[1] // (2 if t is groups.scales and groups.halves else 1), -1) \
+            .permute(0, 2, 3, 1).squeeze(2).contiguous().to(dtype)
+
     codes = padded(groups.codes.view(out, count, per_group))
     codes = codes.view(tiles, TILE, count, per_group // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    if groups.factors is not None:
+        f = groups.factors
+        halves = f.group_scales.shape[1] == 2 * count
+        scales = padded(f.group_scales).view(tiles, TILE, count, 2 if halves else 1).permute(0, 2, 3, 1).squeeze(2)
+        return Repacked(codes, scales.contiguous(), by_lane(f.group_mins, torch.int8),
+                        by_lane(f.block_scales, torch.float16), by_lane(f.block_mins, torch.float16))
     held = [t for t in (groups.scales, groups.mins) if t is not None]
     dtype = torch.float16 if all(torch.equal(t.half().float(), t) for t in held) else torch.float32
-    by_lane = [None if t is None else padded(t).view(tiles, TILE, count, -1).permute(0, 2, 3, 1).squeeze(2)
-               .contiguous().to(dtype) for t in (groups.scales, groups.mins)]
-    return Repacked(codes, *by_lane)
+    return Repacked(codes, by_lane(groups.scales, dtype), by_lane(groups.mins, dtype))
 
 
 class QuantLinear(nn.Module):
@@ -109,6 +140,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("codes", held.codes)
         self.register_buffer("scales", held.scales)
         self.register_buffer("mins", held.mins)
+        self.register_buffer("block_scales", held.block_scales if int8 else None)
+        self.register_buffer("block_mins", held.block_mins if int8 else None)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         # An empty stand-in: code that asks a layer for its weight's dtype or device keeps working.
         self.register_buffer("weight", torch.empty(0), persistent=False)
@@ -121,18 +154,22 @@ class QuantLinear(nn.Module):
     def groups_of(self, rows: torch.Tensor) -> Groups:
         """The groups of output features `rows` (an embedding's lookup, when this is its table)."""
         if self.int8:
-            return Repacked(self.codes, self.scales, self.mins).rows(self.kind, rows)
+            return self._repacked().rows(self.kind, rows)
         return Groups(self.kind, self.codes[rows], self.scales[rows], None if self.mins is None else self.mins[rows])
 
     def groups(self) -> Groups:
         if self.int8:
-            return Repacked(self.codes, self.scales, self.mins).groups(self.kind, self.out_features)
+            return self._repacked().groups(self.kind, self.out_features)
         return Groups(self.kind, self.codes, self.scales, self.mins)
+
+    def _repacked(self) -> Repacked:
+        return Repacked(self.codes, self.scales, self.mins, self.block_scales, self.block_mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.eagle_cpu
         if self.int8:
-            return ops.int8_linear(x, self.codes, self.scales, self.mins, self.bias, self.out_features)
+            return ops.int8_linear(x, self.codes, self.scales, self.mins, self.block_scales, self.block_mins,
+                                   self.bias, self.out_features)
         if self.four_bit:
             return ops.q4_1_linear(x, self.codes, self.scales, self.mins, self.bias)
         return ops.q8_0_linear(x, self.codes, self.scales, self.bias)

@@ -205,9 +205,10 @@ void norm_heads(at::Tensor& qkv, int64_t from, int64_t heads, int64_t head_dim, 
 
 // Norm tensors of a layer, in this order; a model without one holds an empty tensor there.
 enum Norm { INPUT, POST_ATTENTION, PRE_MLP, POST_MLP, Q_NORM, K_NORM, NORMS };
-// Projections of a layer, each as codes, scales, mins, bias (empty where absent).
+// Projections of a layer, each as codes, scales, mins, block scales, block mins, bias (empty where absent).
 enum Projection { Q, K, V, O, GATE, UP, DOWN, PROJECTIONS };
-constexpr int64_t LAYER_TENSORS = NORMS + 4 * PROJECTIONS;
+constexpr int64_t PER_PROJECTION = 6;
+constexpr int64_t LAYER_TENSORS = NORMS + PER_PROJECTION * PROJECTIONS;
 
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
@@ -218,14 +219,15 @@ std::optional<at::Tensor> optional(const at::Tensor& t) {
 // The projections `which` of a layer on input x, side by side as stacked ones give them: int8 layers in one call
 // (the input rounded once), float-activation ones (q4) each on its own kernel, then joined.
 at::Tensor project(const at::Tensor* w, std::initializer_list<int> which, const at::Tensor& x, bool int8) {
-  const auto part = [&](int p, int k) -> const at::Tensor& { return w[NORMS + 4 * p + k]; };
+  const auto part = [&](int p, int k) -> const at::Tensor& { return w[NORMS + PER_PROJECTION * p + k]; };
   if (int8) {
     std::vector<Int8Layer> layers;
     std::vector<const float*> biases;
     for (const int p : which) {
-      const at::Tensor& bias = part(p, 3);
+      const at::Tensor& bias = part(p, 5);
       const int64_t out = present(bias) ? bias.numel() : part(p, 1).size(0) * LANES;
-      layers.push_back(int8_layer(part(p, 0), part(p, 1), optional(part(p, 2)), out, x.size(-1)));
+      layers.push_back(int8_layer(part(p, 0), part(p, 1), optional(part(p, 2)), optional(part(p, 3)),
+                                  optional(part(p, 4)), out, x.size(-1)));
       biases.push_back(present(bias) ? bias.data_ptr<float>() : nullptr);
     }
     return int8_linears(x, layers, biases);
@@ -234,8 +236,8 @@ at::Tensor project(const at::Tensor* w, std::initializer_list<int> which, const 
   for (const int p : which) {
     const at::Tensor &codes = part(p, 0), &scales = part(p, 1);
     outs.push_back(codes.scalar_type() == at::kByte
-                       ? q4_1_linear(x, codes, scales, part(p, 2), optional(part(p, 3)))
-                       : q8_0_linear(x, codes, scales, optional(part(p, 3))));
+                       ? q4_1_linear(x, codes, scales, part(p, 2), optional(part(p, 5)))
+                       : q8_0_linear(x, codes, scales, optional(part(p, 5))));
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
 }
@@ -325,7 +327,7 @@ std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor&
   const int64_t rows = hidden.size(1);
   const auto project = [&](int which, const at::Tensor& x) {
     const at::Tensor &codes = weights[3 + 2 * which], &scales = weights[4 + 2 * which];
-    return int8 ? int8_linear(x, codes, scales, std::nullopt, std::nullopt, scales.size(0) * LANES)
+    return int8 ? int8_linear(x, codes, scales, std::nullopt, std::nullopt, std::nullopt, std::nullopt, scales.size(0) * LANES)
                 : q8_0_linear(x, codes, scales, std::nullopt);
   };
   const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(hidden, weights[1], eps)}, -1);

@@ -74,17 +74,39 @@ Int8Rows quantize_rows(const float* x, int64_t rows, int64_t in) {
   return r;
 }
 
+// How far ahead of the group being multiplied its thread asks for codes: a decoding step streams every weight from
+// memory once, and the hardware's own prefetching left a 1B model's step ~10 % slower (12 KB ahead was the best of the
+// 1, 4, 12, 24 and 40 KB tried).
+constexpr int64_t PREFETCH_BYTES = 12 << 10;
+
+// Ask for one group's worth of code bytes PREFETCH_BYTES after c.
+inline void prefetch_group(const uint8_t* c, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(c + PREFETCH_BYTES + line), _MM_HINT_T0);
+}
+
 int32_t load4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
 }
 
+// Eight (sixteen) int8 integers as float32.
+inline __m256 widened8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+WIDE inline __m512 widened16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // A layer's form, one instantiation of the tiles each: 4-bit or 8-bit codes, a min or not, a scale per 16 weights or
 // per 32, float32 or float16 scales.
-template <bool Q4_, bool MIN_, bool HALVES_, typename S_>
+// K: the scales and mins are int8 integers per group times float16 ones per block of 8 groups (a K-quant's, as its
+// file keeps them), multiplied here into the very float32 products a float32 scale would hold (exact: a float16 times
+// at most 7 bits).
+template <bool Q4_, bool MIN_, bool HALVES_, typename S_, bool K_ = false>
 struct Form {
-  static constexpr bool Q4 = Q4_, MIN = MIN_, HALVES = HALVES_;
+  static constexpr bool Q4 = Q4_, MIN = MIN_, HALVES = HALVES_, K = K_;
   using S = S_;
   static constexpr int64_t code_bytes = Q4 ? 256 : 512, scales_per_group = HALVES ? 2 : 1;
 };
@@ -101,6 +123,7 @@ void int8_half_avx2(const Int8Layer& w, const Int8Rows& x, int64_t row0, int64_t
   for (int64_t g = 0; g < w.groups; ++g) {
     const int64_t tg = t * w.groups + g;
     const uint8_t* c = static_cast<const uint8_t*>(w.codes) + tg * F::code_bytes + 32 * h;
+    if (h == 0) prefetch_group(c, F::code_bytes);  // the first half's pass streams the tile from memory
     __m256i lanes[8], magnitudes[8];  // 4-bit: the 8 chunks' weights 0..15; 8-bit: the signed weights and |w|
     if (F::Q4) {
       for (int r = 0; r < 4; ++r) {
@@ -114,18 +137,42 @@ void int8_half_avx2(const Int8Layer& w, const Int8Rows& x, int64_t row0, int64_t
         magnitudes[r] = _mm256_abs_epi8(lanes[r]);
       }
     }
-    const S* sg = scales + tg * F::scales_per_group * LANES + 8 * h;
-    const __m256 dw = load8(sg), dw_high = F::HALVES ? load8(sg + LANES) : dw;
-    const __m256 mw = F::MIN ? load8(mins + tg * LANES + 8 * h) : _mm256_setzero_ps();
+    __m256 dw, dw_high, mw = _mm256_setzero_ps();
+    if constexpr (F::K) {
+      const int8_t* sg = static_cast<const int8_t*>(w.scales) + tg * F::scales_per_group * LANES + 8 * h;
+      const int64_t block = t * w.blocks + g / 8;
+      const __m256 d = load8(w.block_scales + block * LANES + 8 * h);
+      dw = _mm256_mul_ps(widened8(sg), d);
+      dw_high = F::HALVES ? _mm256_mul_ps(widened8(sg + LANES), d) : dw;
+      if (F::MIN)
+        mw = _mm256_mul_ps(widened8(static_cast<const int8_t*>(w.mins) + tg * LANES + 8 * h),
+                           load8(w.block_mins + block * LANES + 8 * h));
+    } else {
+      const S* sg = scales + tg * F::scales_per_group * LANES + 8 * h;
+      dw = load8(sg), dw_high = F::HALVES ? load8(sg + LANES) : dw;
+      if (F::MIN) mw = load8(mins + tg * LANES + 8 * h);
+    }
     for (int i = 0; i < ROWS; ++i) {
       const int64_t at = (row0 + i) * w.groups + g;
       const int8_t* xq = x.q.data() + at * GROUP;
       __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      for (int r = 0; r < 8; ++r) {
-        const __m256i xv = _mm256_set1_epi32(load4(xq + 4 * r));
-        const __m256i pairs = F::Q4 ? _mm256_maddubs_epi16(lanes[r], xv)
-                                    : _mm256_maddubs_epi16(magnitudes[r], _mm256_sign_epi8(xv, lanes[r]));
-        sums[r / 4] = _mm256_add_epi32(sums[r / 4], _mm256_madd_epi16(pairs, ones));
+      if constexpr (F::Q4 || F::HALVES) {
+        // Codes of at most 32 in magnitude (4-bit ones, Q6_K's): four pairs' 16-bit sums add up without overflow
+        // (each |pair| <= 2 * 32 * 127, four <= 32,512), so they are widened to 32 bits once a half, not each.
+        __m256i pair_sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int r = 0; r < 8; ++r) {
+          const __m256i xv = _mm256_set1_epi32(load4(xq + 4 * r));
+          const __m256i pairs = F::Q4 ? _mm256_maddubs_epi16(lanes[r], xv)
+                                      : _mm256_maddubs_epi16(magnitudes[r], _mm256_sign_epi8(xv, lanes[r]));
+          pair_sums[r / 4] = _mm256_add_epi16(pair_sums[r / 4], pairs);
+        }
+        for (int half = 0; half < 2; ++half) sums[half] = _mm256_madd_epi16(pair_sums[half], ones);
+      } else {
+        for (int r = 0; r < 8; ++r) {
+          const __m256i xv = _mm256_set1_epi32(load4(xq + 4 * r));
+          const __m256i pairs = _mm256_maddubs_epi16(magnitudes[r], _mm256_sign_epi8(xv, lanes[r]));
+          sums[r / 4] = _mm256_add_epi32(sums[r / 4], _mm256_madd_epi16(pairs, ones));
+        }
       }
       const __m256 dx = _mm256_set1_ps(x.d[at]);
       if (F::HALVES) {
@@ -156,6 +203,7 @@ VNNI void int8_tile_vnni(const Int8Layer& w, const Int8Rows& x, int64_t row0, in
   for (int64_t g = 0; g < w.groups; ++g) {
     const int64_t tg = t * w.groups + g;
     const uint8_t* c = static_cast<const uint8_t*>(w.codes) + tg * F::code_bytes;
+    prefetch_group(c, F::code_bytes);
     __m512i lanes[8];
     if (F::Q4) {
       for (int r = 0; r < 4; ++r) {
@@ -166,9 +214,20 @@ VNNI void int8_tile_vnni(const Int8Layer& w, const Int8Rows& x, int64_t row0, in
     } else {
       for (int r = 0; r < 8; ++r) lanes[r] = _mm512_xor_si512(_mm512_loadu_si512(c + 64 * r), flip);
     }
-    const S* sg = scales + tg * F::scales_per_group * LANES;
-    const __m512 dw = load16(sg), dw_high = F::HALVES ? load16(sg + LANES) : dw;
-    const __m512 mw = F::MIN ? load16(mins + tg * LANES) : _mm512_setzero_ps();
+    __m512 dw, dw_high, mw = _mm512_setzero_ps();
+    if constexpr (F::K) {
+      const int8_t* sg = static_cast<const int8_t*>(w.scales) + tg * F::scales_per_group * LANES;
+      const int64_t block = t * w.blocks + g / 8;
+      const __m512 d = load16(w.block_scales + block * LANES);
+      dw = _mm512_mul_ps(widened16(sg), d);
+      dw_high = F::HALVES ? _mm512_mul_ps(widened16(sg + LANES), d) : dw;
+      if (F::MIN)
+        mw = _mm512_mul_ps(widened16(static_cast<const int8_t*>(w.mins) + tg * LANES), load16(w.block_mins + block * LANES));
+    } else {
+      const S* sg = scales + tg * F::scales_per_group * LANES;
+      dw = load16(sg), dw_high = F::HALVES ? load16(sg + LANES) : dw;
+      if (F::MIN) mw = load16(mins + tg * LANES);
+    }
     for (int i = 0; i < ROWS; ++i) {
       const int64_t at = (row0 + i) * w.groups + g;
       const int8_t* xq = x.q.data() + at * GROUP;
@@ -227,26 +286,28 @@ void int8_tile_rows(bool vnni, const Int8Layer& w, const Int8Rows& x, int64_t co
   }
 }
 
-template <typename S>
+template <typename S, bool K = false>
 void tile_rows_of(const Int8Layer& w, bool vnni, const Int8Rows& x, int64_t count, int64_t t, float* out,
                   int64_t width, int64_t column, const float* bias) {
   if (w.q4) {  // 4-bit codes always come with a min (Q4_0's is -8 d)
-    int8_tile_rows<Form<true, true, false, S>>(vnni, w, x, count, t, out, width, column, bias);
+    int8_tile_rows<Form<true, true, false, S, K>>(vnni, w, x, count, t, out, width, column, bias);
   } else if (w.halves) {
-    int8_tile_rows<Form<false, false, true, S>>(vnni, w, x, count, t, out, width, column, bias);
+    int8_tile_rows<Form<false, false, true, S, K>>(vnni, w, x, count, t, out, width, column, bias);
   } else if (w.mins) {
-    int8_tile_rows<Form<false, true, false, S>>(vnni, w, x, count, t, out, width, column, bias);
+    int8_tile_rows<Form<false, true, false, S, K>>(vnni, w, x, count, t, out, width, column, bias);
   } else {
-    int8_tile_rows<Form<false, false, false, S>>(vnni, w, x, count, t, out, width, column, bias);
+    int8_tile_rows<Form<false, false, false, S, K>>(vnni, w, x, count, t, out, width, column, bias);
   }
 }
 
 }  // namespace
 
 Int8Layer int8_layer(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                     const std::optional<at::Tensor>& block_scales, const std::optional<at::Tensor>& block_mins,
                      int64_t out_features, int64_t in_features) {
   const int64_t groups = in_features / GROUP, tiles = (out_features + LANES - 1) / LANES;
   const bool q4 = codes.scalar_type() == at::kByte, halves = scales.dim() == 4;
+  const bool k = block_scales.has_value() && block_scales->numel() > 0;
   TORCH_CHECK(in_features % GROUP == 0, "int8 linear layers need in_features divisible by ", GROUP, ", got ",
               in_features);
   TORCH_CHECK(q4 || codes.scalar_type() == at::kChar, "int8 layer codes are uint8 (4-bit) or int8 (8-bit)");
@@ -254,17 +315,28 @@ Int8Layer int8_layer(const at::Tensor& codes, const at::Tensor& scales, const st
               "codes must be contiguous, repacked for ", out_features, " x ", in_features, " (engine/model/quant.py)");
   const std::vector<int64_t> scale_shape =
       halves ? std::vector<int64_t>{tiles, groups, 2, LANES} : std::vector<int64_t>{tiles, groups, LANES};
-  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef(scale_shape),
-              "scales must be contiguous float16 or float32 [tiles, in_features / 32, (2,) 16]");
+  const auto scale_type = scales.scalar_type();
+  TORCH_CHECK((k ? scale_type == at::kChar : scale_type == at::kHalf || scale_type == at::kFloat) &&
+                  scales.is_contiguous() && scales.sizes() == at::IntArrayRef(scale_shape),
+              "scales must be contiguous float16 or float32 (int8 with block scales) [tiles, in_features / 32, (2,) 16]");
   const bool has_mins = mins.has_value() && mins->numel() > 0;
-  TORCH_CHECK(!has_mins || (mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
+  TORCH_CHECK(!has_mins || (mins->scalar_type() == scale_type && mins->is_contiguous() &&
                             mins->sizes() == at::IntArrayRef({tiles, groups, LANES})),
               "mins must be contiguous [tiles, in_features / 32, 16] of the scales' dtype");
   TORCH_CHECK(!(halves && has_mins) && (has_mins || !q4), "int8 layers: 4-bit codes take mins; two scales a group "
               "none");
-  return {codes.data_ptr(), scales.data_ptr(), has_mins ? mins->data_ptr() : nullptr, groups, out_features, q4,
-          halves, scales.scalar_type() == at::kFloat};
+  const int64_t blocks = groups / 8;
+  if (k) {
+    const bool has_block_mins = block_mins.has_value() && block_mins->numel() > 0;
+    TORCH_CHECK(groups % 8 == 0 && block_scales->scalar_type() == at::kHalf && block_scales->is_contiguous() &&
+                    block_scales->sizes() == at::IntArrayRef({tiles, blocks, LANES}) && has_block_mins == has_mins &&
+                    (!has_mins || (block_mins->scalar_type() == at::kHalf && block_mins->is_contiguous() &&
+                                   block_mins->sizes() == block_scales->sizes())),
+                "block scales and mins must be contiguous float16 [tiles, in_features / 256, 16], mins with mins");
+  }
+  return {codes.data_ptr(), scales.data_ptr(), has_mins ? mins->data_ptr() : nullptr,
+          k ? block_scales->data_ptr<at::Half>() : nullptr, k && has_mins ? block_mins->data_ptr<at::Half>() : nullptr,
+          groups, blocks, out_features, q4, halves, scale_type == at::kFloat};
 }
 
 at::Tensor int8_linears(const at::Tensor& x, const std::vector<Int8Layer>& layers,
@@ -295,7 +367,8 @@ at::Tensor int8_linears(const at::Tensor& x, const std::vector<Int8Layer>& layer
       while (tile >= tile_starts[l + 1]) ++l;
       const Int8Layer& w = layers[l];
       const int64_t t = tile - tile_starts[l];
-      if (w.float_scales) tile_rows_of<float>(w, vnni, xq, count, t, os, width, columns[l], biases[l]);
+      if (w.block_scales) tile_rows_of<at::Half, true>(w, vnni, xq, count, t, os, width, columns[l], biases[l]);
+      else if (w.float_scales) tile_rows_of<float>(w, vnni, xq, count, t, os, width, columns[l], biases[l]);
       else tile_rows_of<at::Half>(w, vnni, xq, count, t, os, width, columns[l], biases[l]);
     }
   });
@@ -303,12 +376,13 @@ at::Tensor int8_linears(const at::Tensor& x, const std::vector<Int8Layer>& layer
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& block_scales,
+                       const std::optional<at::Tensor>& block_mins, const std::optional<at::Tensor>& bias,
                        int64_t out_features) {
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                                     bias->numel() == out_features),
               "int8 linear layers take a contiguous float32 bias of out_features");
-  const Int8Layer w = int8_layer(codes, scales, mins, out_features, x.size(-1));
+  const Int8Layer w = int8_layer(codes, scales, mins, block_scales, block_mins, out_features, x.size(-1));
   return int8_linears(x, {w}, {bias.has_value() ? bias->data_ptr<float>() : nullptr});
 }
 

@@ -196,18 +196,21 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // int8.cpp: a GGUF type's groups, repacked (engine/model/quant.py repack), against int8 rows.
 struct Int8Layer {
   const void* codes;   // [tiles, groups, chunks, 16, 4]: 4-bit nibble pairs (4 chunks) or int8 (8 chunks)
-  const void* scales;  // [tiles, groups, (2,) 16], float16 or float32
+  const void* scales;  // [tiles, groups, (2,) 16], float16 or float32 (int8 where block_scales multiply them)
   const void* mins;    // [tiles, groups, 16] of the scales' dtype, or null
-  int64_t groups, out_features;
+  const at::Half *block_scales, *block_mins;  // a K-quant's [tiles, groups / 8, 16], or null
+  int64_t groups, blocks, out_features;
   bool q4, halves, float_scales;
 };
 Int8Layer int8_layer(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                     const std::optional<at::Tensor>& block_scales, const std::optional<at::Tensor>& block_mins,
                      int64_t out_features, int64_t in_features);
 // x [.., in] against each layer (+ its bias, or null): float32 [.., sum of out_features], the layers side by side.
 at::Tensor int8_linears(const at::Tensor& x, const std::vector<Int8Layer>& layers,
                         const std::vector<const float*>& biases);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& block_scales,
+                       const std::optional<at::Tensor>& block_mins, const std::optional<at::Tensor>& bias,
                        int64_t out_features);
 
 // attention.cpp

@@ -43,7 +43,8 @@ bool set_vnni(bool vnni) {
 TORCH_LIBRARY(eagle_cpu, m) {
   m.def("set_wide(bool wide) -> bool", &eagle_cpu::set_wide);
   m.def("set_vnni(bool vnni) -> bool", &eagle_cpu::set_vnni);
-  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? block_scales, Tensor? block_mins, "
+        "Tensor? bias, int out_features) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
