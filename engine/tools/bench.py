@@ -15,8 +15,8 @@ Methods:
   hf-pld   transformers prompt lookup decoding (prompt_lookup_num_tokens=10)
   llama.cpp  (only when named in --methods) llama.cpp itself (xllamacpp, requirements-bench.txt) on the same GGUF file,
            the same prompt ids, greedy, with the engine's thread count: the runner a CPU user would pick. Its own
-           decode-only tokens/s is printed under the table; its tokens are compared with vanilla's as a report (its
-           Q4_1 kernels round differently)
+           decode-only tokens/s is printed under the table, beside vanilla's by the same measure (one over its mean
+           step); its tokens are compared with vanilla's as a report (its kernels round differently)
   llama.cpp-eagle3  (only when named in --methods) llama.cpp's own EAGLE-3 speculative decoding with the draft head,
            exported once to llama.cpp's GGUF layout (engine/draft/export_gguf.py, cached), drafting
            --llamacpp-draft-max tokens a round: llama.cpp's acceptance (accepted / drafted tokens) is printed under
@@ -356,9 +356,12 @@ def print_report(report: dict) -> None:
         print(f"note: {' and '.join(sorted(hf_methods))} ran in {config['hf_dtype']}, the engine in {config['dtype']}")
     if "llama.cpp" in summary:
         peer = summary["llama.cpp"]
+        step = summary.get("vanilla", {}).get("verify_ms")
+        ours = f"; vanilla decodes at {1000 / step:.2f} tok/s by the same measure (one over its mean step)" \
+            if step else ""
         print(f"note: llama.cpp decodes at {peer['decode_tokens_per_s']:.2f} tok/s by its own clock (prefill "
-              f"excluded); its greedy tokens equal vanilla's on {peer['matches_vanilla']}/{config['count']} questions "
-              "(its Q4_1 kernels round differently: a report, not a check)")
+              f"excluded){ours}; its greedy tokens equal vanilla's on {peer['matches_vanilla']}/{config['count']} "
+              "questions (its kernels round differently: a report, not a check)")
     if EAGLE3_METHOD in summary:
         print("\n".join(eagle3_notes(summary[EAGLE3_METHOD], config["count"])))
     if config["temperature"] == 0:

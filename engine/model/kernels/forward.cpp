@@ -1,6 +1,7 @@
 // rms_norm, rotary and the residual stream by hand, and the two whole forwards built from them and the other files'
-// kernels: a q4 Llama's decoder (llama_forward) and an EAGLE-3 head's layer (eagle3_layer), op for op as transformers
-// runs them, so every output has the very same bits, without Python between their ops.
+// kernels: a grouped decoder of the Llama, Qwen2, Qwen3 or Gemma 3 family (decoder_forward) and an EAGLE-3 head's
+// layer (eagle3_layer), op for op as transformers runs them, so every output has the very same bits, without Python
+// between their ops.
 #include "kernels.h"
 
 #include <algorithm>
