@@ -3,6 +3,9 @@ kernels with the file's own groups (float matrices rounded to Q8_0), the decoder
 EAGLE, context drafting and plain decoding giving the same tokens, with tree rows the bits of one-token steps."""
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +14,7 @@ from engine import Engine
 from engine.model import kernels
 from engine.model.load import load_base
 from engine.model.quant import QuantLinear
+from engine.tools import tiny
 from engine.tools.tiny import GGUF_VOCAB, tiny_base, write_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
@@ -97,3 +101,29 @@ def test_a_model_built_from_the_files_blocks_is_the_one_transformers_loading_giv
     ids = direct.encode_text("the sea and the moon")
     assert tokens_of(direct.generate(ids, method="vanilla", max_new_tokens=30)) == \
         tokens_of(reference.generate(ids, method="vanilla", max_new_tokens=30))
+
+
+def test_a_type_the_kernels_do_not_read_keeps_its_layer_on_the_float_path(tmp_path, monkeypatch, caplog):
+    """A Q2_K matrix among Q8_0 ones: that layer runs dequantized in float32, the rest on the int8 kernels, the log
+    says so, and decoding stays exact."""
+    monkeypatch.setenv("EAGLE_CHAT_CACHE", str(tmp_path / "cache"))
+    encode = tiny.quantize_blocks
+
+    def with_q2_k(weights, kind):  # random valid Q2_K blocks: 16 packed scales, 64 bytes of codes, d, dmin
+        if kind != "Q2_K":
+            return encode(weights, kind)
+        rng = np.random.default_rng(0)
+        raw = rng.integers(0, 256, size=(weights.shape[0], weights.shape[1] // 256, 84), dtype=np.uint8)
+        raw[..., 80:84] = np.array([0.01, 0.005], dtype=np.float16).view(np.uint8)
+        return raw.reshape(weights.shape[0], -1)
+
+    monkeypatch.setattr(tiny, "quantize_blocks", with_q2_k)
+    path = write_gguf(tiny_base(WIDE["llama"], GGUF_VOCAB), tmp_path / "q2k.gguf",
+                      {"default": "Q8_0", "blk.1.ffn_down.weight": "Q2_K"})
+    with caplog.at_level(logging.INFO):
+        engine = Engine.load(str(path), head=None, corpus=None)
+    assert "1 Q2_K tensors, which the int8 kernels do not read" in caplog.text
+    layers = engine.model.get_decoder().layers
+    assert not isinstance(layers[1].mlp.down_proj, QuantLinear) and isinstance(layers[0].mlp.down_proj, QuantLinear)
+    assert engine.target.fused is None and "grouped" in engine.description().lines()[-1]
+    assert_tree_rows_are_one_token_steps(engine)

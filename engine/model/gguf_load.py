@@ -12,10 +12,12 @@ Gemma's norms in its convention, so the model is the one transformers' loading a
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from . import gguf_cache
@@ -29,8 +31,15 @@ DIRECT = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def loads_directly(gguf: Path) -> bool:
-    """Whether load_grouped builds this file's model (else transformers' loading and quantize_linears do)."""
-    return read_tensors(gguf)[0] in DIRECT
+    """Whether load_grouped builds this file's model: an architecture it maps, every tensor of a type it reads. Else
+    transformers' loading and quantize_linears do (a type the kernels do not read keeps its layers on the float
+    path, said here)."""
+    architecture, tensors = read_tensors(gguf)
+    unread = Counter(t.kind for t in tensors if t.blocks is None)
+    if unread:
+        log.info("%s holds %s tensors, which the int8 kernels do not read: those layers run on the float path "
+                 "(transformers' float32 dequantization)", gguf, ", ".join(f"{n} {kind}" for kind, n in unread.items()))
+    return architecture in DIRECT and not unread
 
 
 def load_grouped(gguf: Path, int8: bool, attn_implementation: str = "sdpa") -> PreTrainedModel:
@@ -63,13 +72,14 @@ class _Filler:
         self.processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
 
     def fill(self) -> None:
+        log.info("building the model from %s's blocks", self.gguf)
         head = self.model.get_output_embeddings()
         table = self.model.get_input_embeddings()
         embedding = self.stored.get(self._gguf_name(f"{self._name_of(table)}.weight") or "")
-        for parent in list(self.model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(parent, name, self._linear(child, embedding if child is head else None))
+        linears = [(parent, name, child) for parent in self.model.modules() for name, child in parent.named_children()
+                   if type(child) is nn.Linear]
+        for parent, name, child in tqdm(linears, desc="building the model", unit="matrix", leave=False):
+            setattr(parent, name, self._linear(child, embedding if child is head else None))
         head = self.model.get_output_embeddings()
         self.model.set_input_embeddings(self._embedding(table, embedding, head))
         for name, parameter in list(self.model.named_parameters()):

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from . import kernels
 from .attention import FIXED_ORDER
 from .groups import GROUP, Groups, groups_from_blocks, quantize
-from .gguf_tensors import read_tensors
+from .gguf_tensors import TensorBlocks, read_tensors
 from .load import _source, on_gpu
 
 KERNELS = ("auto", "float", "q4", "int8")
@@ -200,38 +200,56 @@ def gguf_file(base: str | None) -> Path | None:
 
 
 def gguf_groups(model: PreTrainedModel, path: Path) -> dict[int, Groups]:
-    """The GGUF file's grouped tensors (every type engine.model.groups reads), keyed by id() of the model parameter transformers loaded from each
-    (rows put in transformers' order, as it permutes Llama's q and k), kept only where they dequantize to exactly
-    that parameter's float32 values."""
-    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map  # transformers' GGUF loading needs gguf too
+    """The GGUF file's grouped tensors (every type engine.model.groups reads), keyed by id() of the model parameter
+    transformers loaded from each (rows put in transformers' order, as it permutes Llama's q and k), kept only where
+    they dequantize to exactly that parameter's float32 values."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     architecture, tensors = read_tensors(path)
-    stored = {t.name: t for t in tensors if t.grouped}
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    found = {}
+    for weight, tensor in _file_tensors(model, architecture, tensors):
+        if not tensor.grouped:
+            continue
+        groups = groups_from_blocks(tensor.kind, processor.process(weights=tensor.blocks, name=tensor.name).weights)
+        if weight.dtype == torch.float32 and torch.equal(groups.dequantize(), weight):
+            found[id(weight)] = groups
+        else:
+            log.warning("%s: its GGUF groups do not give the loaded weights exactly; that layer keeps float kernels",
+                        tensor.name)
+    return found
+
+
+def gguf_float_matrices(model: PreTrainedModel, path: Path) -> set[int]:
+    """id() of the model parameters the GGUF file holds as float matrices (F16, BF16, F32)."""
+    architecture, tensors = read_tensors(path)
+    return {id(weight) for weight, tensor in _file_tensors(model, architecture, tensors)
+            if tensor.kind in ("F16", "BF16", "F32") and len(tensor.shape) == 2}
+
+
+def _file_tensors(model: PreTrainedModel, architecture: str, tensors: list[TensorBlocks]
+                  ) -> list[tuple[torch.Tensor, TensorBlocks]]:
+    """(weight, its GGUF tensor) for each linear or embedding weight of `model` the file holds, by gguf's name map
+    (a tied LM head is the embedding under two names)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map  # transformers' GGUF loading needs gguf too
+
     arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
     if arch is None:
-        return {}
+        return []
+    stored = {t.name: t for t in tensors}
     name_map = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
-    aliases: dict[int, list[str]] = {}  # a tied LM head is the embedding under two names
+    aliases: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(parameter), []).append(name)
-    found = {}
+    pairs = []
     for module in model.modules():
         if type(module) is not nn.Linear and not isinstance(module, nn.Embedding):
             continue
         candidates = [_gguf_name(name_map, name) for name in aliases.get(id(module.weight), [])]
         tensor = next((stored[n] for n in candidates if n in stored), None)
-        if tensor is None:
-            continue
-        blocks = processor.process(weights=tensor.blocks, name=tensor.name).weights
-        groups = groups_from_blocks(tensor.kind, blocks)
-        if module.weight.dtype == torch.float32 and torch.equal(groups.dequantize(), module.weight):
-            found[id(module.weight)] = groups
-        else:
-            log.warning("%s: its GGUF groups do not give the loaded weights exactly; that layer keeps float kernels",
-                        tensor.name)
-    return found
+        if tensor is not None:
+            pairs.append((module.weight, tensor))
+    return pairs
 
 
 def _gguf_name(name_map, parameter: str) -> str | None:
@@ -249,6 +267,7 @@ def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str 
     if not kernels.available():
         raise RuntimeError(f"QuantLinear needs engine/model/kernels: {kernels.unavailable_reason()}")
     found = gguf_groups(model, gguf_file) if gguf_file is not None else None
+    floats = gguf_float_matrices(model, gguf_file) if gguf_file is not None and int8 else set()
     lm_head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
     count = rounded = 0
     for parent in list(model.modules()):
@@ -261,7 +280,7 @@ def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str 
                 groups = quantize(child.weight, "Q8_0" if child is lm_head else kind)
             elif id(child.weight) in found and (int8 or float_kernel_takes(found[id(child.weight)])):
                 groups = found[id(child.weight)]
-            elif int8:  # a float matrix of the file (F16, BF16, F32): rounded as the int8 kernels round activations
+            elif id(child.weight) in floats:  # F16, BF16, F32: rounded as the int8 kernels round activations
                 groups = quantize(child.weight, "Q8_0")
                 rounded += 1
             else:
