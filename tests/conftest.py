@@ -15,7 +15,7 @@ from engine.model.packed import packable_dtypes
 from engine.tools.tiny import (  # noqa: F401  (the tests import the tiny models from here)
     BRANCHING, SHAPES, VOCAB, IdsOnlyTokenizer, random_head, tiny_base, tokens_of,
 )
-from oracles import randomized_pit, target_probs
+from oracles import int8_reference, randomized_pit, target_probs
 
 # Tiny models gain nothing from threads, and extra threads thrash when several test processes share the CPU.
 torch.set_num_threads(1)
@@ -23,6 +23,27 @@ torch.set_num_threads(1)
 # Dtypes whose packed CPU forward is batch-invariant here: bfloat16 only on CPUs that oneDNN packs it for.
 PACKED_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     torch.bfloat16 not in packable_dtypes(), reason="oneDNN packs bfloat16 only on CPUs with AVX-512 BF16 or AMX"))]
+
+
+def assert_int8_layer_is_its_reference(layer, groups, bias, inputs: int, tolerance: float) -> None:
+    """An int8 layer gives int8_reference's bits on the VNNI and the AVX2 path alike, for every row count, and stays
+    within `tolerance` of the float product (activations rounded to 8 bits); skips, after the AVX2 check, on a CPU
+    without VNNI."""
+    x = torch.randn(13, inputs, generator=torch.Generator().manual_seed(4))
+    has_vnni = torch.ops.eagle_cpu.set_vnni(True)
+    try:
+        for rows in (1, 2, 3, 4, 5, 8, 9, 13):
+            expected = int8_reference(x[:rows], groups, bias)
+            assert torch.equal(layer(x[:rows]), expected), rows
+            torch.ops.eagle_cpu.set_vnni(False)
+            assert torch.equal(layer(x[:rows]), expected), rows
+            torch.ops.eagle_cpu.set_vnni(True)
+    finally:
+        torch.ops.eagle_cpu.set_vnni(True)
+    float_product = x @ groups.dequantize().T + bias
+    assert (layer(x) - float_product).norm() < tolerance * float_product.norm()
+    if not has_vnni:
+        pytest.skip("checked on the AVX2 path only: this CPU has no AVX-512 VNNI")
 
 
 def gemma_gguf_path():

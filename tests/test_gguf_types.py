@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import gemma_gguf_path
-from oracles import int8_reference
+from conftest import assert_int8_layer_is_its_reference, gemma_gguf_path
 from engine.model import kernels
 from engine.model.groups import BLOCK_SHAPES, GROUP, groups_from_blocks
 from engine.model.quant import QuantLinear, float_kernel_takes
@@ -72,21 +71,7 @@ def test_int8_layers_compute_each_types_arithmetic_exactly(kind, sizes):
     assert torch.equal(layer.dequantized(), groups.dequantize())
     if kind.endswith("_K"):  # kept as the file keeps them: integer group scales, float16 block ones
         assert layer.scales.dtype == torch.int8 and layer.block_scales.dtype == torch.float16
-    x = torch.randn(13, inputs, generator=torch.Generator().manual_seed(4))
-    has_vnni = torch.ops.eagle_cpu.set_vnni(True)
-    try:
-        for rows in (1, 2, 3, 4, 5, 8, 9, 13):
-            expected = int8_reference(x[:rows], groups, bias)
-            assert torch.equal(layer(x[:rows]), expected), rows
-            torch.ops.eagle_cpu.set_vnni(False)
-            assert torch.equal(layer(x[:rows]), expected), rows
-            torch.ops.eagle_cpu.set_vnni(True)
-    finally:
-        torch.ops.eagle_cpu.set_vnni(True)
-    float_product = x @ groups.dequantize().T + bias
-    assert (layer(x) - float_product).norm() < 0.05 * float_product.norm()
-    if not has_vnni:
-        pytest.skip("checked on the AVX2 path only: this CPU has no AVX-512 VNNI")
+    assert_int8_layer_is_its_reference(layer, groups, bias, inputs, 0.05)
 
 
 @pytest.mark.parametrize("kind", KINDS)

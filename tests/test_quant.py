@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import BRANCHING, SHAPES, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
+from conftest import (
+    BRANCHING, SHAPES, IdsOnlyTokenizer, assert_int8_layer_is_its_reference, random_head, tiny_base, tokens_of,
+)
 from oracles import int8_reference
 from engine import Engine
 from engine.model import kernels
@@ -103,21 +105,7 @@ def test_int8_layers_compute_llama_cpps_arithmetic_exactly(kind, sizes):
     inputs, outputs = sizes
     groups, bias = quantize(_weight(outputs, inputs), kind), torch.randn(outputs)
     layer = QuantLinear(groups, bias, int8=True)
-    x = torch.randn(13, inputs, generator=torch.Generator().manual_seed(4))
-    has_vnni = torch.ops.eagle_cpu.set_vnni(True)
-    try:
-        for rows in (1, 2, 3, 4, 5, 8, 9, 13):
-            expected = int8_reference(x[:rows], groups, bias)
-            assert torch.equal(layer(x[:rows]), expected), rows
-            torch.ops.eagle_cpu.set_vnni(False)
-            assert torch.equal(layer(x[:rows]), expected), rows
-            torch.ops.eagle_cpu.set_vnni(True)
-    finally:
-        torch.ops.eagle_cpu.set_vnni(True)
-    float_product = x @ groups.dequantize().T + bias
-    assert (layer(x) - float_product).norm() < 0.02 * float_product.norm()
-    if not has_vnni:
-        pytest.skip("checked on the AVX2 path only: this CPU has no AVX-512 VNNI")
+    assert_int8_layer_is_its_reference(layer, groups, bias, inputs, 0.02)
 
 
 def test_int8_layers_keep_scales_that_float16_cannot_hold_in_float32():
