@@ -14,8 +14,9 @@ from engine import Engine
 from engine.model import kernels
 from engine.model.load import load_base
 from engine.model.quant import QuantLinear
-from engine.tools import tiny
-from engine.tools.tiny import GGUF_VOCAB, tiny_base, write_gguf
+from engine.tools import tiny_gguf
+from engine.tools.tiny import tiny_base
+from engine.tools.tiny_gguf import GGUF_VOCAB, write_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
 WIDE = {"llama": "llama-h256-l3", "qwen2": "qwen2-h256-l3", "gemma3": "gemma3-h256-l6-swa"}
@@ -107,7 +108,7 @@ def test_a_type_the_kernels_do_not_read_keeps_its_layer_on_the_float_path(tmp_pa
     """A Q2_K matrix among Q8_0 ones: that layer runs dequantized in float32, the rest on the int8 kernels, the log
     says so, and decoding stays exact."""
     monkeypatch.setenv("EAGLE_CHAT_CACHE", str(tmp_path / "cache"))
-    encode = tiny.quantize_blocks
+    encode = tiny_gguf.quantize_blocks
 
     def with_q2_k(weights, kind):  # random valid Q2_K blocks: 16 packed scales, 64 bytes of codes, d, dmin
         if kind != "Q2_K":
@@ -117,7 +118,7 @@ def test_a_type_the_kernels_do_not_read_keeps_its_layer_on_the_float_path(tmp_pa
         raw[..., 80:84] = np.array([0.01, 0.005], dtype=np.float16).view(np.uint8)
         return raw.reshape(weights.shape[0], -1)
 
-    monkeypatch.setattr(tiny, "quantize_blocks", with_q2_k)
+    monkeypatch.setattr(tiny_gguf, "quantize_blocks", with_q2_k)
     path = write_gguf(tiny_base(WIDE["llama"], GGUF_VOCAB), tmp_path / "q2k.gguf",
                       {"default": "Q8_0", "blk.1.ffn_down.weight": "Q2_K"})
     with caplog.at_level(logging.INFO):

@@ -11,9 +11,10 @@ from gguf.quants import Q4_K, dequantize
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from transformers.integrations.gguf.dequant import dequantize as transformers_dequantize
 
-from engine.tools.tiny import (
-    ARCHITECTURES, GGUF_PY_KINDS, GGUF_SHAPES, GGUF_VOCAB, K_QUANTS, SPECIALS, quantize_blocks, quantize_k, tiny_base,
-    tiny_gguf, tiny_vocabulary, write_gguf,
+from engine.tools.tiny import tiny_base
+from engine.tools.tiny_gguf import (
+    ARCHITECTURES, GGUF_PY_KINDS, GGUF_SHAPES, GGUF_VOCAB, K_QUANTS, SPECIALS, quantize_blocks, quantize_k, tiny_gguf,
+    tiny_vocabulary, write_gguf,
 )
 
 TOPS = {"Q4_K": (15, 32), "Q5_K": (31, 32), "Q6_K": (31, 16)}  # the codes a sub-block's range spans; its size
