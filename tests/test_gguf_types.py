@@ -8,7 +8,7 @@ import torch
 
 from conftest import assert_int8_layer_is_its_reference, gemma_gguf_path
 from engine.model import kernels
-from engine.model.groups import BLOCK_SHAPES, GROUP, groups_from_blocks
+from engine.model.groups import BLOCK_SHAPES, groups_from_blocks
 from engine.model.quant import QuantLinear, float_kernel_takes
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")

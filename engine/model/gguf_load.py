@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from . import gguf_cache
-from .gguf_tensors import TensorBlocks, read_tensors
+from .gguf_tensors import TensorBlocks, gguf_name, read_tensors, tensor_names
 from .groups import groups_from_blocks, quantize
 from .quant import GroupedEmbedding, QuantLinear, float_kernel_takes
 
@@ -61,14 +61,12 @@ class _Filler:
     """Puts the file's tensors into the model's empty modules, by the names gguf's tensor map gives them."""
 
     def __init__(self, model: PreTrainedModel, gguf: Path, int8: bool):
-        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         self.model, self.gguf, self.int8 = model, gguf, int8
         architecture, tensors = read_tensors(gguf)
         self.stored = {t.name: t for t in tensors}
-        arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == architecture)
-        self.names = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
+        self.names = tensor_names(architecture, model.config.get_text_config().num_hidden_layers)
         self.processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
 
     def fill(self) -> None:
@@ -90,9 +88,7 @@ class _Filler:
         return next(name for name, candidate in self.model.named_modules(remove_duplicate=False) if candidate is module)
 
     def _gguf_name(self, parameter: str) -> str | None:
-        module, _, kind = parameter.rpartition(".")
-        base = self.names.get_name(module)
-        return None if base is None else f"{base}.{kind}"
+        return gguf_name(self.names, parameter)
 
     def _stored(self, parameter: str) -> TensorBlocks:
         tensor = self.stored.get(self._gguf_name(parameter) or "")

@@ -146,6 +146,23 @@ def _blocks(data: mmap.mmap, start: int, name: str, shape: tuple[int, ...], kind
     return TensorBlocks(name, label, shape, blocks.reshape(rows, row_bytes))
 
 
+def tensor_names(architecture: str, layers: int):
+    """gguf's map from transformers' module names to the GGUF tensor names of `architecture` (None: an
+    architecture gguf does not know)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map  # here: reading a file's tensors needs no gguf package
+
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    return None if arch is None else get_tensor_name_map(arch, layers)
+
+
+def gguf_name(names, parameter: str) -> str | None:
+    """The GGUF tensor name of a transformers parameter ("model.layers.0.self_attn.q_proj.weight" ->
+    "blk.0.attn_q.weight"), by a tensor_names map; None where the map has no name for its module."""
+    module, _, kind = parameter.rpartition(".")
+    base = names.get_name(module)
+    return None if base is None else f"{base}.{kind}"
+
+
 def gguf_tensor_types(path: Path) -> dict[str, int]:
     """How many tensors of each type a GGUF file holds, most common first: what a user's file is made of."""
     return dict(Counter(tensor.kind for tensor in read_tensors(path)[1]).most_common())

@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -24,7 +23,7 @@ from transformers import PreTrainedModel
 from . import kernels
 from .attention import FIXED_ORDER
 from .groups import GROUP, Groups, groups_from_blocks, quantize
-from .gguf_tensors import TensorBlocks, read_tensors
+from .gguf_tensors import TensorBlocks, gguf_name, read_tensors, tensor_names
 from .load import _source, on_gpu
 
 KERNELS = ("auto", "float", "q4", "int8")
@@ -231,13 +230,10 @@ def _file_tensors(model: PreTrainedModel, architecture: str, tensors: list[Tenso
                   ) -> list[tuple[torch.Tensor, TensorBlocks]]:
     """(weight, its GGUF tensor) for each linear or embedding weight of `model` the file holds, by gguf's name map
     (a tied LM head is the embedding under two names)."""
-    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map  # transformers' GGUF loading needs gguf too
-
-    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
-    if arch is None:
+    names = tensor_names(architecture, model.config.get_text_config().num_hidden_layers)
+    if names is None:
         return []
     stored = {t.name: t for t in tensors}
-    name_map = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
     aliases: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(parameter), []).append(name)
@@ -245,17 +241,11 @@ def _file_tensors(model: PreTrainedModel, architecture: str, tensors: list[Tenso
     for module in model.modules():
         if type(module) is not nn.Linear and not isinstance(module, nn.Embedding):
             continue
-        candidates = [_gguf_name(name_map, name) for name in aliases.get(id(module.weight), [])]
+        candidates = [gguf_name(names, name) for name in aliases.get(id(module.weight), [])]
         tensor = next((stored[n] for n in candidates if n in stored), None)
         if tensor is not None:
             pairs.append((module.weight, tensor))
     return pairs
-
-
-def _gguf_name(name_map, parameter: str) -> str | None:
-    module, _, kind = parameter.rpartition(".")
-    base = name_map.get_name(module)
-    return None if base is None else f"{base}.{kind}"
 
 
 def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str = "Q4_1", int8: bool = False) -> int:
