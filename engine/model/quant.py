@@ -1,14 +1,15 @@
-"""Linear layers that keep their weights as groups of 32 (4-bit Q4_1, 8-bit Q8_0) and multiply them with
-engine/model/kernels, for a CPU forward that reads a fraction of float32's bytes and stays batch-invariant.
+"""Linear layers that keep their weights as a GGUF type's groups of 32 (engine.model.groups: every type from Q4_0
+to Q6_K) and multiply them with engine/model/kernels, for a CPU forward that reads a fraction of float32's bytes and
+stays batch-invariant; and the embedding over the same groups.
 
-A one-token step on the CPU is bound by the bytes of weight it reads: float32 reads 4 bytes a weight, Q4_1 0.625 and
-Q8_0 1.06. A GGUF model's groups are taken as they are in the file (the embedded SmolLM2: Q4_1 layers, a Q8_0
-embedding that is also the LM head) and checked against the float32 weights transformers dequantized from it: the
-kernel multiplies by the very same float32 weights, in its own fixed order; or, on int8 activations, computes as
-llama.cpp does (each row's activations rounded to 8 bits per group, integer products: another rounding of the
-model, about twice as fast; `repack` lays the groups out for it). A model without a GGUF file is quantized
-here, as llama.cpp's converter does (Q4_1 layers, Q8_0 LM head): then its groups are the model both plain decoding
-and EAGLE run.
+A one-token step on the CPU is bound by the bytes of weight it reads: float32 reads 4 bytes a weight, Q4_K about
+0.58. A GGUF model's groups are taken as they are in the file (the embedded SmolLM2: Q4_1 layers, a Q8_0 embedding
+that is also the LM head): built straight from it (engine.model.gguf_load) or checked against the float32 weights
+transformers dequantized from it. On int8 activations (the default) a layer computes as llama.cpp does (each row's
+activations rounded to 8 bits per group, integer products: another rounding of the model, the fastest; `repack`
+lays the groups out for it); on float32 activations the kernel multiplies by the very float32 weights, in its own
+fixed order. A model without a GGUF file is quantized here, as llama.cpp's converter does (Q4_1 layers, Q8_0 LM
+head): then its groups are the model both plain decoding and EAGLE run.
 """
 from __future__ import annotations
 
