@@ -16,7 +16,7 @@ from engine.tools.tiny_gguf import GGUF_SHAPES, tiny_gguf
 from engine.train.__main__ import main
 from engine.train.data import read_shards
 from engine.train.fit import linear_weight, norm_scale
-from engine.train.generation import sliding_window
+from engine.model.fused import sliding_window
 
 TOPICS = ["the sea", "mountains", "old maps", "bread", "rivers in spring", "a quiet town", "trains", "the moon"]
 

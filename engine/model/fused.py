@@ -59,9 +59,8 @@ class FusedDecoder:
         self.eps = float(config.rms_norm_eps)
         attention = [layer.self_attn for layer in self.body.layers]
         self.scale = float(attention[0].scaling)
-        self.windows = [getattr(a, "sliding_window", None) for a in attention]
-        self.sliding = [int(window is not None) for window in self.windows]
-        self.window = next((window for window in self.windows if window is not None), None)
+        self.sliding = [int(getattr(a, "sliding_window", None) is not None) for a in attention]
+        self.window = sliding_window(model)
         # Gemma 3's sliding layers have rotary tables of their own; the others share one.
         self.layer_types = getattr(config, "layer_types", None) if config.model_type == "gemma3_text" else None
         self.weights = torch.classes.eagle_cpu.Weights(
@@ -122,6 +121,14 @@ class FusedDecoder:
         for layer in layers:
             layer.length = start + rows
         return hidden, features
+
+
+def sliding_window(model: PreTrainedModel) -> int | None:
+    """How far back the model's sliding-window layers see (Gemma 3's local layers); None where every layer sees the
+    whole context."""
+    layers = getattr(model.get_decoder(), "layers", [])
+    windows = (getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in layers)
+    return next((window for window in windows if window), None)
 
 
 def window_mask(mask: torch.Tensor | None, start: int, positions: torch.Tensor, window: int) -> torch.Tensor | None:

@@ -132,12 +132,10 @@ class _Filler:
         a float table for a float tensor."""
         if tensor is None:
             raise ValueError(f"{self.gguf} has no token embedding (token_embd.weight)")
-        scale = getattr(table, "embed_scale", None)
-        scale = None if scale is None else scale.to(torch.float32)
         if tensor.grouped:
             tied = self.stored.get("output.weight") is None and isinstance(head, QuantLinear)
             rows = head if tied else QuantLinear(groups_from_blocks(tensor.kind, tensor.blocks), None, int8=True)
-            return GroupedEmbedding(rows, scale)
+            return GroupedEmbedding(rows, table)
         table.weight = nn.Parameter(torch.from_numpy(self._floats(tensor)), requires_grad=False)
         return table
 

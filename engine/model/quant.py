@@ -304,11 +304,14 @@ class GroupedEmbedding(nn.Module):
     model such as Gemma puts on its embeddings), so no float copy of the table stays resident: a 262k-token
     vocabulary's is 0.7 GB."""
 
-    def __init__(self, table: QuantLinear, scale: torch.Tensor | None):
+    def __init__(self, table: QuantLinear, replacing: nn.Embedding):
+        """table: the groups; replacing: the float embedding module it stands for (its scale, if it has one)."""
         super().__init__()
         self._table = (table,)  # not a submodule: a tied table is the LM head's, which the model holds already
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
-        self.register_buffer("scale", None if scale is None else scale.detach().clone(), persistent=False)
+        scale = getattr(replacing, "embed_scale", None)
+        self.register_buffer("scale", None if scale is None else scale.detach().to(torch.float32).clone(),
+                             persistent=False)
         self.register_buffer("weight", torch.empty(0), persistent=False)  # its dtype, for code that asks
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -324,8 +327,7 @@ def _embed_from_groups(model: PreTrainedModel, found: dict[int, Groups], tied: b
         return
     head = model.get_output_embeddings()
     rows = head if tied and isinstance(head, QuantLinear) else QuantLinear(found[id(table.weight)], None, int8=True)
-    scale = getattr(table, "embed_scale", None)
-    model.set_input_embeddings(GroupedEmbedding(rows, None if scale is None else scale.to(torch.float32)))
+    model.set_input_embeddings(GroupedEmbedding(rows, table))
 
 
 def resolve_kernels(kernels: str, device: str, dtype: str, pack: bool, quantization: str, gguf: Path | None) -> str:

@@ -6,7 +6,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .cache import GrowingCache
-from .fused import FusedDecoder, window_mask
+from .fused import FusedDecoder, sliding_window, window_mask
 from .quant import kv_dtype
 
 
@@ -21,8 +21,7 @@ class Target:
         self.lm_head = model.get_output_embeddings()
         self.config = model.config.get_text_config()
         self.max_context = getattr(self.config, "max_position_embeddings", None) or 2048
-        windows = [getattr(layer.self_attn, "sliding_window", None) for layer in getattr(self.body, "layers", [])]
-        self.window = next((window for window in windows if window is not None), None)
+        self.window = sliding_window(model)
         self.kv_dtype = kv_dtype(model)  # fixed once the engine has chosen kernels and attention, as `fused` is
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []

@@ -27,6 +27,7 @@ from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from ..engine import Engine
+from ..model.fused import sliding_window
 from ..model.load import load_base
 from ..model.packed import bf16_native, pack_linears
 from ..model.quant import GROUPED, gguf_file, kv_dtype, resolve_kernels
@@ -155,14 +156,6 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device: torch.devic
     """A bool visibility [R, T, L] as the additive [R, 1, T, L] mask transformers passes to attention as it is."""
     bias = torch.zeros(visible.shape, dtype=dtype, device=device)
     return bias.masked_fill_(~visible.to(device), torch.finfo(dtype).min)[:, None]
-
-
-def sliding_window(model: PreTrainedModel) -> int | None:
-    """How far back the model's sliding-window layers see (Gemma 3's local layers); None where every layer sees the
-    whole context."""
-    layers = getattr(model.get_decoder(), "layers", [])
-    windows = (getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in layers)
-    return next((window for window in windows if window), None)
 
 
 def layer_masks(visible: torch.Tensor, positions: torch.Tensor, window: int | None, dtype: torch.dtype,
