@@ -11,12 +11,14 @@ from typing import Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .decode.costs import row_cost
 from .decode.gate import HeadGate
 from .decode.loop import check_prompt, decode
 from .decode.params import DecodeParams
 from .decode.prefixes import Prefix, PrefixStore
 from .decode.round import Step
 from .draft.checkpoint import load_head
+from .draft.context import ChainAcceptance
 from .draft.corpus import CorpusIndex
 from .draft.drafter import Drafter
 from .draft.head import DraftHead
@@ -35,6 +37,10 @@ from .options import LoadOptions
 _ROLES = ("system", "user", "assistant")
 PLAIN_TURNS = "\n\n"  # between a conversation's messages, for a model without a chat template
 log = logging.getLogger(__name__)
+# A head beside grouped kernels: in Q4_1 but fc, in Q8_0. A drafting round reads the head's weights from memory, where
+# the base's forward has just pushed them out of the caches, so half the bytes draft faster; the default trees keep
+# their tau, while fc (three layers' features fused) in Q4_1 costs a deep tree's (docs/benchmarks.md, "Drafting cost").
+HEAD_KINDS = {"fc": "Q8_0"}
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,8 @@ class Engine:
 
         kernels="q4" or "int8": the base model's float32 linear layers become engine.model.quant's grouped ones
         (int8: on int8 activations), holding the groups of the GGUF file `gguf` where it has them, else quantizing;
-        a head beside them is quantized to Q8_0, on the same kernels (its rounding changes drafts, never the output).
+        a head beside them is quantized too, on the same kernels (its rounding changes drafts, never the output):
+        HEAD_KINDS.
         pack: the CPU linear layers of model and head become oneDNN-packed ones (engine.model.packed) and a model
         wholly on the CPU gets engine.model.attention's attention: every row of a forward then comes out the same
         bits whatever the batch, so verification agrees exactly with one-token decoding.
@@ -134,7 +141,7 @@ class Engine:
         self.kernels = _kernels_of(self.model)
         replaced = sum(isinstance(m, QuantLinear) for m in self.model.modules())
         if self.kernels in GROUPED and self.head is not None:  # drafts only: its rounding never changes the output
-            replaced += quantize_linears(self.head, kind="Q8_0", int8=self.kernels == "int8")
+            replaced += quantize_linears(self.head, kind="Q4_1", int8=self.kernels == "int8", kinds=HEAD_KINDS)
         return replaced
 
     def _swap_attention(self) -> bool:
@@ -158,6 +165,9 @@ class Engine:
         # What the head buys on this machine, measured over the rounds of every generation that asks for the gate
         # (DecodeParams.gate), so each answer starts from what the last ones measured.
         self.gate = HeadGate()
+        # How often the context's chains are right, by match length, over every generation that drafts from the
+        # context: with this machine's cost of a verified row, how long a chain pays (created at the first one).
+        self.chain_acceptance: ChainAcceptance | None = None
         on_cpu = self.model.get_output_embeddings().weight.device.type == "cpu"
         self.threads = ThreadGovernor() if follow_load and on_cpu else None
         self.stop_ids = _stop_ids(self.model, self.tokenizer)
@@ -282,7 +292,7 @@ class Engine:
             ids = list(prompt_ids)
             try:
                 for step in decode(self.target, drafter, prompt_ids, params, self.stop_ids, cache, self.gate,
-                                   self.corpus):
+                                   self.corpus, self._chain_acceptance() if params.sizes_chains else None):
                     ids += step.tokens
                     yield step
                     if self.threads is not None:
@@ -291,6 +301,11 @@ class Engine:
                 self._keep(ids, cache, drafter)
                 raise
             self._keep(ids, cache, drafter)
+
+    def _chain_acceptance(self) -> ChainAcceptance:
+        if self.chain_acceptance is None:
+            self.chain_acceptance = ChainAcceptance(row_cost(self.target))
+        return self.chain_acceptance
 
     def _keep(self, ids: list[int], cache: GrowingCache, drafter: Drafter | None) -> None:
         if self.prefixes is not None:
@@ -369,7 +384,7 @@ def freeze_heap() -> None:
 
 def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None, pack: bool, kernels: str) -> DraftHead:
     """Load a head for `model`; head_dtype None means bfloat16 for a packed head on a CPU with native bf16 beside
-    float kernels, else the base model's dtype: beside q4 or int8 that is float32, which Engine quantizes to Q8_0 and
+    float kernels, else the base model's dtype: beside q4 or int8 that is float32, which Engine quantizes (HEAD_KINDS) and
     drafts with in one kernel call per layer (engine.draft.fused.FusedEagle3), without Python between its ops."""
     on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
     if head_dtype is None and pack and on_cpu and bf16_native() and kernels not in GROUPED:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.draft.context import ContextDraft, ContextIndex
+from engine.draft.context import ChainAcceptance, ContextDraft, ContextIndex
 from engine.draft.drafter import Drafter
 from engine.decode.gate import HeadGate
 from engine.model.packed import packable_dtypes
@@ -60,9 +60,13 @@ def tiny_engine(
     shape: str, kind: str | None, vocab: int = VOCAB, pack: bool = False, dtype: torch.dtype = torch.float32,
     reuse_prefixes: bool = True,
 ) -> Engine:
+    """A tiny random engine, its context chains at ContextDraft's own lengths (free rows: a random model's chains are
+    seldom right, and sizing them by acceptance would leave most tests without any; tests/test_suffix.py tests it)."""
     model = tiny_base(shape, vocab, dtype=dtype)
-    return Engine(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=pack,
-                  reuse_prefixes=reuse_prefixes)
+    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=pack,
+                    reuse_prefixes=reuse_prefixes)
+    engine.chain_acceptance = ChainAcceptance(row_cost=0.0)
+    return engine
 
 
 class Alternating(HeadGate):
@@ -100,8 +104,8 @@ class RecordingDraft(ContextDraft):
     def like(cls, draft: ContextDraft) -> RecordingDraft:
         return cls(**{f.name: getattr(draft, f.name) for f in fields(ContextDraft)})
 
-    def chains(self, index: ContextIndex, corpus=None) -> list[list[int]]:
-        chains = super().chains(index, corpus)
+    def chains(self, index: ContextIndex, corpus=None, acceptance=None) -> list[list[int]]:
+        chains = super().chains(index, corpus, acceptance)
         self.seen.append((list(index.tokens), chains))
         return chains
 

@@ -127,8 +127,10 @@ def test_the_engines_gate_carries_what_it_measured_from_answer_to_answer(prompt)
 
 def test_a_seeded_sampler_keeps_the_head_drafting_so_the_seed_repeats_the_answer(prompt):
     """The gate's choices follow the machine's timing and a seeded sampler's draws follow the drafts: with a seed
-    the gate stays off, and the same seed gives the same answer whatever the gate would have done."""
+    the gate stays off, and so do the context's chains sized by what earlier answers verified, and the same seed
+    gives the same answer whatever the gate would have done."""
     engine = tiny_engine("llama-h64-l8-gqa", "eagle3")
+    engine.chain_acceptance = None
     options = dict(method="eagle", max_new_tokens=40, temperature=0.9, seed=5, **BRANCHING)
     ungated = tokens_of(engine.generate(prompt, **options))
     for window in (1, 2, 3):
@@ -137,6 +139,7 @@ def test_a_seeded_sampler_keeps_the_head_drafting_so_the_seed_repeats_the_answer
     assert DecodeParams(gate=True).gated and DecodeParams(gate=True, seed=5).with_options(temperature=0).gated
     assert not DecodeParams(gate=True, seed=5).with_options(temperature=0.9).gated
     assert not DecodeParams(gate=True, method="suffix").gated
+    assert engine.chain_acceptance is None
 
 
 def test_rounds_say_whether_the_head_took_part(prompt):

@@ -87,6 +87,31 @@ def test_int8_rows_do_not_depend_on_what_shares_their_call(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_tables_rows_are_its_dequantized_weights(kind):
+    """An embedding's lookup (QuantLinear.rows): the very floats of gguf-py's dequantize, on the int8 kernels' layout
+    (one kernel call) and on the float kernels' where they take the type; ids of any shape, a tile's last row."""
+    groups = groups_from_blocks(kind, random_blocks(kind, 45, 512, seed=11))
+    ids = torch.tensor([[0, 44, 17], [31, 16, 15]])
+    expected = groups.dequantize()[ids]
+    layers = [QuantLinear(groups, None, int8=True)] + ([QuantLinear(groups, None)] if float_kernel_takes(groups) else [])
+    for layer in layers:
+        assert torch.equal(layer.rows(ids), expected), layer
+        assert torch.equal(layer.rows(torch.tensor([44])), expected[0, 1:2]), layer
+
+
+def test_rows_read_float32_scales_and_refuse_ids_outside_the_table():
+    """Scales that are not float16 values stay float32 in the int8 layout, and the lookup reads them as such."""
+    groups = groups_from_blocks("Q8_0", random_blocks("Q8_0", 20, 256, seed=5))
+    groups.scales = groups.scales * (1 + 2 ** -20)  # no longer float16 values
+    layer = QuantLinear(groups, None, int8=True)
+    assert layer.scales.dtype == torch.float32
+    ids = torch.arange(20)
+    assert torch.equal(layer.rows(ids), groups.dequantize())
+    with pytest.raises(RuntimeError, match="row 20 of a table of 20"):
+        layer.rows(torch.tensor([3, 20]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_float_kernels_take_the_types_of_their_two_forms_and_refuse_the_rest(kind):
     groups = groups_from_blocks(kind, random_blocks(kind, 20, 256, seed=3))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))

@@ -5,7 +5,7 @@ import torch
 
 from conftest import SHAPES, RecordingDraft, sample_through_copied_drafts, tiny_engine, tokens_of
 from engine import DecodeParams, DynamicTree, StaticTree
-from engine.draft.context import ContextDraft, ContextIndex
+from engine.draft.context import ChainAcceptance, ContextDraft, ContextIndex
 from engine.draft.tree import DraftTree, graft
 from engine.decode.accept import Sampling
 from oracles import ALPHA, drafted_frequency_pvalue, uniformity_pvalue
@@ -38,6 +38,50 @@ def test_chain_length_grows_with_the_match():
         ContextDraft(max_tokens=0)
 
 
+def test_chains_run_up_to_the_last_position_right_more_often_than_a_row_costs():
+    acceptance = ChainAcceptance(row_cost=0.3)
+    for right in [0, 1, 2, 2, 3, 5, 5, 5]:  # eight chains of five tokens after a 2-token match: k of them right
+        chain = [1, 2, 3, 4, 5]
+        acceptance.observe(2, chain, chain[:right] + [9])
+    assert acceptance.drafted[2] == [8] * 5 and acceptance.right[2] == [7, 6, 4, 3, 3]
+    assert acceptance.length(2, 16) == 16  # positions past the fifth not seen yet: the rule's length stays
+    assert acceptance.length(2, 3) == 3
+    acceptance.observe(2, [1, 2, 3, 4, 5, 6], [1, 2, 9])
+    assert acceptance.right[2] == [8, 7, 4, 3, 3, 0]
+    # The fourth position is right 3 times in 9: a row dearer than that stops the chain before it...
+    assert ChainAcceptance(row_cost=0.34, drafted=acceptance.drafted, right=acceptance.right).length(2, 16) == 3
+    assert acceptance.length(2, 16) == 16  # ...a cheaper one does not, and the sixth, seen once, is not known yet
+    assert acceptance.length(3, 16) == 16  # another match length: nothing known yet
+    for _ in range(8):  # a match of 8 or more tokens is one bucket
+        acceptance.observe(12, [4, 4], [5])
+    assert acceptance.length(9, 16) == 0 and acceptance.length(7, 16) == 16
+
+
+def test_chains_sized_by_acceptance_drop_what_does_not_pay_and_leave_the_round_to_the_head():
+    index = ContextIndex([5, 1, 2, 3, 4, 6, 7, 8, 0, 2, 3, 4, 9, 9, 1, 2, 3])  # a 3-token match: 6 tokens by the rule
+    acceptance = ChainAcceptance(row_cost=0.5)
+    for _ in range(8):
+        acceptance.observe(3, [4, 6, 7, 1], [4, 6, 2])
+    assert ContextDraft(branches=1).chains(index, acceptance=acceptance) == [[4, 6]]
+    for _ in range(40):
+        acceptance.observe(3, [4], [8])
+    assert ContextDraft(branches=1).chains(index, acceptance=acceptance) == []
+
+
+@pytest.mark.parametrize("method,kind", [("suffix", None), ("eagle", "eagle3")])
+def test_an_engine_counts_every_verified_chain_across_generations_and_stays_lossless(method, kind, prompt):
+    engine = tiny_engine("llama-h48-l7-mqa", kind)
+    engine.chain_acceptance = None  # as an engine starts: made at the first generation that drafts from the context
+    vanilla = tokens_of(engine.generate([6] * 24, method="vanilla", max_new_tokens=NEW_TOKENS))
+    assert engine.chain_acceptance is None
+    first = tokens_of(engine.generate([6] * 24, method=method, max_new_tokens=NEW_TOKENS))
+    counted = sum(sum(d) for d in engine.chain_acceptance.drafted.values())
+    assert first == vanilla and counted > 0 and engine.chain_acceptance.row_cost >= 0
+    mixed = tokens_of(engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS))
+    assert sum(sum(d) for d in engine.chain_acceptance.drafted.values()) > counted
+    assert mixed == tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=NEW_TOKENS))
+
+
 def test_the_head_gets_what_the_chains_leave():
     tree = DynamicTree(total_tokens=8)
     assert tree.beside(0) == tree
@@ -56,6 +100,8 @@ def test_context_setting_and_suffix_method_checks():
         DecodeParams(method="suffix", context=None)
     assert DecodeParams(method="suffix").max_levels == ContextDraft().max_tokens
     assert DecodeParams(context=ContextDraft(max_tokens=2)).max_levels == DynamicTree().max_levels
+    assert DecodeParams().sizes_chains and not DecodeParams(context=ContextDraft(sized=False)).sizes_chains
+    assert not DecodeParams(method="vanilla").sizes_chains and not DecodeParams(context=None).sizes_chains
 
 
 def _context_tokens(steps) -> int:
@@ -162,6 +208,8 @@ def test_bench_no_suffix_turns_context_off_and_refuses_method_suffix(tmp_path):
                              "--no-suffix"])).params.context is None
     with pytest.raises(ValueError, match="no-suffix"):
         check_args(parse(["--questions", str(questions), "--methods", "eagle,suffix", "--no-suffix"]))
+    assert check_args(parse(["--questions", str(questions)])).params.context.sized
+    assert not check_args(parse(["--questions", str(questions), "--fixed-chains"])).params.context.sized
 
 
 def test_real_model_greedy_equals_vanilla_drafting_from_its_own_replies(real_engine):

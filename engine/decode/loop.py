@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 from transformers import Cache
 
-from ..draft.context import ContextIndex
+from ..draft.context import ChainAcceptance, ContextIndex
 from ..draft.corpus import CorpusIndex
 from ..draft.drafter import Drafter
 from ..model.target import Target
@@ -87,20 +87,22 @@ def finish(step: Step, seq: Sequence, params: DecodeParams, stop_ids: set[int], 
 def decode(
     target: Target, drafter: Drafter | None, prompt_ids: list[int], params: DecodeParams,
     stop_ids: tuple[int, ...] = (), cache: Cache | None = None, gate: HeadGate | None = None,
-    corpus: CorpusIndex | None = None,
+    corpus: CorpusIndex | None = None, acceptance: ChainAcceptance | None = None,
 ) -> Iterator[Step]:
     """Generate from prompt_ids, one Step per base-model forward. Closing the iterator stops decoding at once (at a
     yield, where the cache and the drafter hold exactly the tokens yielded so far, and the ones a cut step dropped).
     cache: a new one by default; else one holding the prompt's first positions, the drafter the same slots.
     gate: the head gate params.gate asks for, carried over from earlier generations (default: a new one).
-    corpus: what to draft from where the context has nothing, if params.corpus asks for it."""
+    corpus: what to draft from where the context has nothing, if params.corpus asks for it.
+    acceptance: the context's chains verified so far, carried over from earlier generations, to size this one's
+    (engine.draft.context.ChainAcceptance; default: ContextDraft's lengths as they are)."""
     check_prompt(prompt_ids, target.max_context)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     stops, sampling = set(stop_ids), params.sampling
     cache = target.new_cache() if cache is None else cache
     context = params.drafts_from_context
     seq = Sequence(len(prompt_ids), cache, context=ContextIndex() if context else None,
-                   corpus=corpus if context and params.corpus else None)
+                   corpus=corpus if context and params.corpus else None, acceptance=acceptance)
     gate = (gate or HeadGate()) if params.gated and drafter is not None else None
     start = time.perf_counter()
     step = prefill(target, drafter, prompt_ids, seq, sampling, generator)

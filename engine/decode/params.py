@@ -56,11 +56,22 @@ class DecodeParams:
         return self.context is not None and self.method != "vanilla"
 
     @property
+    def adapts(self) -> bool:
+        """Whether the drafts may follow what was measured before (the head gate's arms, the context's chains sized
+        by their acceptance): unless a seed is given for sampling, as a seeded sampler's draws follow the drafts and
+        what was measured follows the machine and earlier answers, so the same seed would not give the same answer
+        twice."""
+        return self.sampling.greedy or self.seed is None
+
+    @property
+    def sizes_chains(self) -> bool:
+        """Whether the context's chains are cut to what their acceptance so far says pays (ContextDraft.sized)."""
+        return self.drafts_from_context and self.context.sized and self.adapts
+
+    @property
     def gated(self) -> bool:
-        """Whether the head gate decides the rounds: asked for, unless a seed is: a seeded sampler's draws follow
-        the drafts, and the gate's choices follow the machine's timing, so the same seed would not give the same
-        answer twice."""
-        return self.gate and self.method == "eagle" and (self.sampling.greedy or self.seed is None)
+        """Whether the head gate decides the rounds: asked for, where the drafts may adapt."""
+        return self.gate and self.method == "eagle" and self.adapts
 
     @property
     def max_levels(self) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache
 
-from ..draft.context import ContextIndex
+from ..draft.context import ChainAcceptance, ContextIndex
 from ..draft.corpus import CorpusIndex
 from ..draft.drafter import Drafter
 from ..draft.tree import DraftTree, graft
@@ -56,6 +56,7 @@ class Sequence:
     produced: int = 0  # tokens yielded so far
     context: ContextIndex | None = None  # the prompt and every token produced, when drafting from them
     corpus: CorpusIndex | None = None  # the model's replies to other prompts, when drafting from them too
+    acceptance: ChainAcceptance | None = None  # what the context's chains verified so far say pays, if counted
 
     @property
     def cached(self) -> int:
@@ -90,10 +91,19 @@ class Acceptance:
         return tree.tokens[self.path[1:]].tolist() + [self.bonus]
 
 
-def draft(drafter: Drafter | None, seq: Sequence, params: DecodeParams) -> DraftTree:
+def context_chains(seq: Sequence, params: DecodeParams) -> tuple[list[list[int]], int]:
+    """The round's chains from the context (or the corpus), and the length of the match the first continues (0: none
+    in the context)."""
+    if seq.context is None:
+        return [], 0
+    match = seq.context.match_length()
+    chains = params.context.chains(seq.context, seq.corpus, seq.acceptance)
+    return chains, match if match >= params.context.min_match else 0
+
+
+def draft(drafter: Drafter | None, seq: Sequence, params: DecodeParams, chains: list[list[int]]) -> DraftTree:
     """The round's tree: the context's chains under the root and the head's tree in the budget they leave
     (params.tree.beside); either may be missing: no head (method suffix), no match, context drafting off."""
-    chains = params.context.chains(seq.context, seq.corpus) if seq.context is not None else []
     head_tree = params.tree.beside(sum(map(len, chains))) if drafter is not None else None
     tree = drafter.propose(seq.root, head_tree) if head_tree is not None else DraftTree.bare(seq.root)
     return graft(tree, chains)
@@ -142,12 +152,15 @@ def speculative_round(
     """Draft a tree from the root, verify it, accept a path, commit it. head=False: draft from the context alone
     and defer the drafter's slots (engine.decode.gate)."""
     start = time.perf_counter()
-    tree = draft(drafter if head else None, seq, params)
+    chains, match = context_chains(seq, params)
+    tree = draft(drafter if head else None, seq, params, chains)
     drafted = time.perf_counter()
     verification = verify(target, tree, seq)
     acceptance = accept(verification, params.sampling, generator)
     committing = time.perf_counter()
     tokens = commit(seq, drafter, verification, acceptance, defer=not head)
+    if seq.acceptance is not None and chains and match:
+        seq.acceptance.observe(match, chains[0], tokens)
     draft_s = (drafted - start) + (time.perf_counter() - committing)  # the drafter's catch-up is drafting work
     return Step(tokens, [True] * (len(tokens) - 1) + [False], draft_s=draft_s, verify_s=verification.seconds,
                 tree_size=len(tree) - 1, from_context=tree.from_context[acceptance.path[1:]].tolist() + [False],

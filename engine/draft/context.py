@@ -10,7 +10,7 @@ so verification treats them like any other draft (q = 1): drafting from the cont
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from .corpus import CorpusIndex
@@ -73,6 +73,11 @@ class ContextIndex:
             for s in followers[:max_branches]
         ]
 
+    def match_length(self) -> int:
+        """How many of the text's last tokens occurred before (0: not even the last one)."""
+        match = self._link[self._last]
+        return self._length[match] if match > 0 else 0
+
     def _copy_from(self, start: int, max_tokens: int) -> list[int]:
         """tokens[start:], as many as asked; past the text's end the copy overlaps itself (text[n + i] is predicted
         as text[start + i]), so a repeating pattern keeps repeating instead of stopping at the end."""
@@ -121,6 +126,46 @@ class ContextIndex:
             state = self._link[state]
 
 
+MATCH_BUCKETS = 8  # matches of 8 tokens or more are counted together: their chains are right nearly always
+KNOWN_AFTER = 8  # chains a match length and chain position need before their rate decides
+
+
+@dataclass
+class ChainAcceptance:
+    """How often a context chain's first k tokens were all right, by the length of the match it continues, counted
+    over the chains verified so far, and how long a chain pays from it where a verified row costs `row_cost` plain
+    steps: each right token saves a plain step and each drafted one costs a row, so a chain runs up to its last
+    position that is right at least that often (none where even its first token is right less often; the head then
+    drafts the round). Positions not yet seen KNOWN_AFTER times keep ContextDraft's own length: on two CPU cores,
+    where a row costs a fifth of a step or more, chains shrink to what pays; on a GPU they stay long."""
+
+    row_cost: float
+    drafted: dict[int, list[int]] = field(default_factory=dict)  # match -> per chain position, chains that reached it
+    right: dict[int, list[int]] = field(default_factory=dict)  # ... and were right up to it
+
+    def length(self, match: int, longest: int) -> int:
+        """How many tokens of a chain continuing a `match`-token match to draft, at most `longest`."""
+        bucket = min(match, MATCH_BUCKETS)
+        drafted, right = self.drafted.get(bucket, []), self.right.get(bucket, [])
+        for k in range(min(longest, len(drafted))):
+            if drafted[k] >= KNOWN_AFTER and right[k] / drafted[k] < self.row_cost:
+                return k
+        return longest
+
+    def observe(self, match: int, chain: list[int], committed: list[int]) -> None:
+        """A verified chain and the tokens its round committed: which of its positions were right."""
+        bucket = min(match, MATCH_BUCKETS)
+        drafted = self.drafted.setdefault(bucket, [])
+        right = self.right.setdefault(bucket, [])
+        if len(drafted) < len(chain):
+            drafted += [0] * (len(chain) - len(drafted))
+            right += [0] * (len(chain) - len(right))
+        agree = next((i for i, (a, b) in enumerate(zip(chain, committed)) if a != b), min(len(chain), len(committed)))
+        for k in range(len(chain)):
+            drafted[k] += 1
+            right[k] += k < agree
+
+
 @dataclass(frozen=True)
 class ContextDraft:
     """Which continuations of the context a round drafts: chains under the tree's root, the longest match's
@@ -142,6 +187,9 @@ class ContextDraft:
     # the corpus")
     corpus_share: float = 0.7
     corpus_max_tokens: int = 1
+    # Cut each chain to what pays at this machine's cost of a verified row, from the chains verified so far
+    # (ChainAcceptance, kept by the Engine); False: the lengths above as they are.
+    sized: bool = True
 
     def __post_init__(self):
         counts = (self.max_tokens, self.branches, self.min_match, self.corpus_max_tokens)
@@ -151,12 +199,18 @@ class ContextDraft:
         if not 0 <= self.corpus_share <= 1:
             raise ValueError(f"corpus_share is a fraction of the votes, between 0 and 1, got {self.corpus_share}")
 
-    def chains(self, index: ContextIndex, corpus: CorpusIndex | None = None) -> list[list[int]]:
+    def chains(self, index: ContextIndex, corpus: CorpusIndex | None = None,
+               acceptance: ChainAcceptance | None = None) -> list[list[int]]:
         """This round's chains, most trusted first; none when the text's end matches nothing long enough, in the
-        context or (given) the corpus."""
+        context or (given) the corpus. acceptance: what the chains verified so far say pays (else this rule's
+        lengths)."""
         found = index.continuations(self.max_tokens, self.branches)
         if found and found[0].match_length >= self.min_match:
             length = min(self.max_tokens, max(1, round(self.tokens_per_match * found[0].match_length)))
+            if acceptance is not None:
+                length = acceptance.length(found[0].match_length, length)
+            if length == 0:
+                return []
             return [found[0].tokens[:length]] + [c.tokens[: max(1, length // 2)] for c in found[1:]]
         chain = corpus.continuation(corpus.match(index.tokens), self.corpus_max_tokens,
                                     self.corpus_share) if corpus is not None else []

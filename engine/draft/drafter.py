@@ -20,9 +20,10 @@ class Drafter:
     over all of them in one call, a few rows costing about what one does.
     """
 
-    def __init__(self, head: DraftHead):
+    def __init__(self, head: DraftHead, fused: bool = True):
+        """fused: run the head's layer as one kernel call where engine.draft.fused describes it (the same bits)."""
         self.head = head
-        self.run_head = FusedEagle3.of(head) or head  # the same bits either way, the first without Python per op
+        self.fused = FusedEagle3.of(head) if fused else None
         self.device = head.fc.weight.device
         self.cache: list[GrowingLayer] = []  # one per head layer, created by the first commit
         self._fed = 0  # tree nodes of this proposal written after the committed slots
@@ -43,11 +44,19 @@ class Drafter:
         """Start over, or from `cache` (a kept prefix's slots: engine.decode.prefixes)."""
         self.cache, self._fed, self._deferred = cache or [], 0, []
 
-    def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+    def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
              from_target: bool, start: int) -> torch.Tensor:
-        """The head over new slots that see the positions before `start`; their keys and values go in at `start`."""
+        """The head over new slots that see the positions before `start` and, as mask says (None: causally), each
+        other; their keys and values go in at `start`."""
+        if self.fused is not None:
+            self.cache = self.cache or [GrowingLayer()]
+            return self.fused.run(hidden, tokens, positions, mask, self.cache[0], start, from_target)
+        if mask is None:
+            t = tokens.shape[-1]
+            causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+            mask = torch.cat([torch.ones(t, start, dtype=torch.bool, device=self.device), causal], dim=1)[None, None]
         past = [layer.first(start) for layer in self.cache] if start else None
-        out, new_kv = self.run_head(hidden, tokens, positions, past, mask, from_target=from_target)
+        out, new_kv = self.head(hidden, tokens, positions, past, mask, from_target=from_target)
         self.cache = self.cache or [GrowingLayer() for _ in new_kv]
         for layer, (keys, values) in zip(self.cache, new_kv):
             layer.write(start, keys, values)
@@ -74,10 +83,8 @@ class Drafter:
         self._deferred = []
         t, n = len(next_tokens), self.length
         positions = torch.arange(n, n + t, device=self.device)
-        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-        mask = torch.cat([torch.ones(t, n, dtype=torch.bool, device=self.device), causal], dim=1)
         out = self._run(features[None].to(self.device), next_tokens[None].to(self.device, non_blocking=True),
-                        positions, mask[None, None], True, n)
+                        positions, None, True, n)
         for layer in self.cache:
             layer.length = n + t
         self._fed = 0
@@ -103,7 +110,7 @@ class Drafter:
         return out[0]
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
+        return torch.log_softmax((self.fused or self.head).logits(hidden).float(), dim=-1)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target(draft_ids.to(self.device, non_blocking=True))

@@ -1,4 +1,4 @@
-"""An EAGLE-3 head's layer on Q8_0 kernels in one C++ call (engine/model/kernels eagle3_layer), for drafting.
+"""An EAGLE-3 head's layer on grouped kernels in one C++ call (engine/model/kernels eagle3_layer), for drafting.
 
 A draft round runs the head three or four times on a few rows, where the Python between a decoder layer's ops costs
 more than the ops themselves.
@@ -7,26 +7,30 @@ from __future__ import annotations
 
 import torch
 
+from ..model.cache import GrowingLayer
 from ..model.fused import PROJECTIONS
 from ..model.quant import TILE, QuantLinear
 from .eagle3 import Eagle3Head
-from .layers import KV
 
 MATMULS = (PROJECTIONS[:3], PROJECTIONS[3:4], PROJECTIONS[4:6], PROJECTIONS[6:])  # eagle3_layer's, stacked
 
 
 class FusedEagle3:
-    """An EAGLE-3 head whose layer's projections are bias-free Q8_0 QuantLinears (a head on a q4 engine), called as
-    the head is (DraftHead.forward), its layer in one kernel call."""
+    """An EAGLE-3 head whose layer's projections are bias-free QuantLinears of Q4_1 or Q8_0 (a head on grouped
+    kernels), run as the head runs (DraftHead.forward), its layer in one kernel call that writes the head's cache in
+    place."""
 
     def __init__(self, head: Eagle3Head):
         self.head, layer = head, head.midlayer
         self.heads, self.head_dim = layer.self_attn.heads, layer.self_attn.head_dim
+        self.kv_heads = layer.self_attn.kv_heads
+        self._cos = self._sin = torch.empty(0, self.head_dim)
         self.eps = float(layer.input_layernorm.eps)
         norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
         self.weights = [norm.weight for norm in norms]
         for names in MATMULS:
-            self.weights += stacked([layer.get_submodule(name) for name in names])
+            codes, scales, *mins = stacked([layer.get_submodule(name) for name in names])
+            self.weights += [codes, scales, mins[0] if mins else torch.empty(0)]
         self.int8 = layer.self_attn.q_proj.int8
 
     @classmethod
@@ -36,18 +40,35 @@ class FusedEagle3:
         if not isinstance(head, Eagle3Head) or head.midlayer.norm_before_residual:
             return None
         projections = [head.midlayer.get_submodule(name) for name in PROJECTIONS]
-        return cls(head) if stackable(projections, "Q8_0") else None
+        kind = getattr(projections[0], "kind", None)
+        return cls(head) if kind in ("Q4_1", "Q8_0") and stackable(projections, kind) else None
 
-    def __call__(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, past: list[KV] | None,
-                 mask: torch.Tensor, from_target: bool) -> tuple[torch.Tensor, list[KV]]:
+    def run(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+            layer: GrowingLayer, start: int, from_target: bool) -> torch.Tensor:
+        """The head over new slots [1, T] as DraftHead.forward runs it, their keys and values written into the head's
+        cache `layer` at `start` by the kernel itself; they see the positions before `start` and, as mask says
+        (None: causally), each other. Returns the new hidden states [1, T, H]."""
         head = self.head
         hidden = hidden.to(head.fc.weight.dtype)
         hidden = head.fc(hidden) if from_target else hidden
-        cos, sin = head.rope(positions)
-        keys, values = past[0] if past is not None else (None, None)
-        out, k, v = torch.ops.eagle_cpu.eagle3_layer(head.embed(token_ids), hidden, cos, sin, keys, values, mask,
-                                                     self.weights, self.heads, self.head_dim, self.eps, self.int8)
-        return out, [(k, v)]
+        cos, sin = self._rope(positions)
+        like = hidden.new_empty(1, self.kv_heads, 0, self.head_dim)
+        keys, values = layer.reserve(start + hidden.shape[1], like, like)
+        return torch.ops.eagle_cpu.eagle3_layer(head.embed(token_ids), hidden, cos, sin, keys, values, start, mask,
+                                                self.weights, self.heads, self.head_dim, self.eps, self.int8)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Eagle3Head.logits with its final norm as one kernel call (the same bits)."""
+        norm = self.head.norm
+        return self.head.lm_head(torch.ops.eagle_cpu.rms_norm(hidden, norm.weight, norm.eps))
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions`: rows of a table the head's own rotary computes once for the positions seen so
+        far (every row the bits computing it alone gives: the same elementwise ops)."""
+        needed = int(positions.max()) + 1
+        if needed > len(self._cos):
+            self._cos, self._sin = self.head.rope(torch.arange(max(needed, 2 * len(self._cos), 256)))
+        return self._cos[positions], self._sin[positions]
 
 
 def stackable(modules: list, kind: str) -> bool:

@@ -75,20 +75,6 @@ class Repacked:
                   for t in self.float_scales()]
         return Groups(kind, codes.contiguous(), *by_row)
 
-    def rows(self, kind: str, rows: torch.Tensor) -> Groups:
-        """The groups of output features `rows`, gathered from their tiles' lanes (an embedding's lookup: only
-        those rows' scales are multiplied out)."""
-        tiles, lanes = rows // TILE, rows % TILE
-
-        def gathered(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else (t[tiles, :, lanes] if t.dim() == 3 else t[tiles, :, :, lanes])[..., None]
-
-        codes = self.codes[tiles, :, :, lanes, :].reshape(len(rows), -1)  # [rows, groups * chunks * 4]
-        picked = Repacked(self.codes, *(gathered(t) for t in (self.scales, self.mins, self.block_scales,
-                                                              self.block_mins)))  # one lane, tile by row
-        by_row = [None if t is None else t.reshape(len(rows), -1) for t in picked.float_scales()]
-        return Groups(kind, codes, *by_row)
-
 
 def _lanes_first(t: torch.Tensor) -> torch.Tensor:
     """Repacked scales or mins [tiles, groups, (2,) 16] as [tiles, 16, groups (, 2)]."""
@@ -151,11 +137,15 @@ class QuantLinear(nn.Module):
         training target does)."""
         return self.groups().dequantize()
 
-    def groups_of(self, rows: torch.Tensor) -> Groups:
-        """The groups of output features `rows` (an embedding's lookup, when this is its table)."""
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 weights of output features `ids` [..] as [.., in_features], the floats dequantize gives (an
+        embedding's lookup, when this is its table): on the int8 layout one kernel call, no Python per group."""
         if self.int8:
-            return self._repacked().rows(self.kind, rows)
-        return Groups(self.kind, self.codes[rows], self.scales[rows], None if self.mins is None else self.mins[rows])
+            return torch.ops.eagle_cpu.int8_rows(ids, self.codes, self.scales, self.mins, self.block_scales,
+                                                 self.block_mins, self.out_features)
+        flat = ids.reshape(-1)
+        groups = Groups(self.kind, self.codes[flat], self.scales[flat], None if self.mins is None else self.mins[flat])
+        return groups.dequantize().view(*ids.shape, self.in_features)
 
     def groups(self) -> Groups:
         if self.int8:
@@ -249,12 +239,13 @@ def _file_tensors(model: PreTrainedModel, architecture: str, tensors: list[Tenso
     return pairs
 
 
-def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str = "Q4_1", int8: bool = False) -> int:
+def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str = "Q4_1", int8: bool = False,
+                     kinds: dict[str, str] | None = None) -> int:
     """Replace the float32 CPU nn.Linear layers of `model` whose inputs come in groups of 32 by QuantLinears (int8:
     on int8 activations); returns how many. With a GGUF file, the layers its groups hold exactly, of the types the
     chosen kernels take, and on int8 kernels its float matrices rounded to Q8_0 (so that every layer is on them);
-    without one, every such layer is quantized to `kind` (a PreTrainedModel's LM head to
-    Q8_0)."""
+    without one, every such layer is quantized to `kind` (a PreTrainedModel's LM head to Q8_0), or to the kind
+    `kinds` gives its attribute name."""
     if not kernels.available():
         raise RuntimeError(f"QuantLinear needs engine/model/kernels: {kernels.unavailable_reason()}")
     found = gguf_groups(model, gguf_file) if gguf_file is not None else None
@@ -268,7 +259,7 @@ def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str 
             if child.weight.dtype != torch.float32:
                 continue
             if found is None:
-                groups = quantize(child.weight, "Q8_0" if child is lm_head else kind)
+                groups = quantize(child.weight, "Q8_0" if child is lm_head else (kinds or {}).get(name, kind))
             elif id(child.weight) in found and (int8 or float_kernel_takes(found[id(child.weight)])):
                 groups = found[id(child.weight)]
             elif id(child.weight) in floats:  # F16, BF16, F32: rounded as the int8 kernels round activations
@@ -315,7 +306,7 @@ class GroupedEmbedding(nn.Module):
         self.register_buffer("weight", torch.empty(0), persistent=False)  # its dtype, for code that asks
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self._table[0].groups_of(ids.reshape(-1)).dequantize().view(*ids.shape, self.embedding_dim)
+        rows = self._table[0].rows(ids)
         return rows if self.scale is None else rows * self.scale
 
 

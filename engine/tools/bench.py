@@ -63,12 +63,13 @@ from transformers import PreTrainedModel
 from ..decode.params import DYNAMIC_TREE_OPTIONS, DecodeParams
 from ..decode.params import METHODS as ENGINE_METHODS
 from ..draft.checkpoint import DEFAULT_HEAD
+from ..draft.context import ContextDraft
 from ..draft.tree import TREES, DynamicTree
 from ..engine import Engine
 from ..model.load import DTYPES, auto_dtype, load_base
 from ..model.quant import GROUPED, gguf_file
 from ..options import LoadOptions
-from .costs import verification_curve
+from ..decode.costs import verification_curve
 from ..draft.export_gguf import cached_export
 from ..model.gguf_cache import cache_root
 from .llamacpp import EAGLE3_METHOD, Eagle3Draft, LlamaCpp, decode_tokens_per_s, eagle3_notes, eagle3_summary
@@ -133,7 +134,8 @@ def decode_params(args: argparse.Namespace) -> DecodeParams:
     """The decoding settings of every engine method; the tree options are passed only when given."""
     tree_options = {name: getattr(args, name) for name in DYNAMIC_TREE_OPTIONS if getattr(args, name) is not None}
     return DecodeParams().with_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                       seed=args.seed, tree=args.tree, context=args.context, **tree_options)
+                                       seed=args.seed, tree=args.tree, **tree_options,
+                                       context=args.context and ContextDraft(sized=not args.fixed_chains))
 
 
 def engine_options(method: str) -> dict:
@@ -184,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"{tree.min_prob})")
     add("--no-suffix", dest="context", action="store_false",
         help="eagle drafts with the head alone, without the context's continuations")
+    add("--fixed-chains", action="store_true",
+        help="the context's chains at ContextDraft's own lengths, not cut to what their acceptance says pays")
     add("--verify-curve", default=None, metavar="SIZES",
         help="instead of the methods: time one verification forward of each comma-separated tree size (1 = a plain "
              "step) over a filled cache (--verify-cache), and print the curve")
@@ -486,7 +490,7 @@ def busy_processes(load: float):
 
 
 def print_curve(engine: Engine, sizes: list[int], cache_lengths: list[int]) -> dict:
-    """--verify-curve: the base model's verification cost by tree size over each cache length (engine/tools/costs.py);
+    """--verify-curve: the base model's verification cost by tree size over each cache length (engine/decode/costs.py);
     a long chat makes every forward attend to more keys, a tree's many rows more so."""
     if max(cache_lengths) + max(sizes) > engine.max_context:
         raise ValueError(f"--verify-cache {max(cache_lengths)} + a tree of {max(sizes)} exceeds the model's context "

@@ -167,11 +167,6 @@ void write_keys_values(const at::Tensor& qkv, int64_t qf, int64_t head_dim, cons
   else write(0.f);
 }
 
-// Features [from, from + width) of a stacked q, k, v matmul's output [1, M, F] as heads [1, H, M, head_dim] (a view).
-at::Tensor split_heads(const at::Tensor& qkv, int64_t from, int64_t width, int64_t head_dim) {
-  return qkv.narrow(-1, from, width).view({1, qkv.size(1), -1, head_dim}).transpose(1, 2);
-}
-
 // h += y, in place (the residual stream: h + y is y + h, the same rounding either way).
 void add_into(at::Tensor& h, const at::Tensor& y) {
   TORCH_CHECK(h.is_contiguous() && y.sizes() == h.sizes(), "add_into: a contiguous h and a y of its shape");
@@ -308,50 +303,58 @@ std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::
   return out;
 }
 
-constexpr int64_t HEAD_TENSORS = 3 + 4 * 2;  // three norms; codes and scales of q, k and v stacked, o, gate and up
-                                             // stacked, down
+constexpr int64_t HEAD_TENSORS = 3 + 4 * 3;  // three norms; codes, scales and mins (Q4_1; empty for Q8_0) of q, k
+                                             // and v stacked, o, gate and up stacked, down
 
-// The EAGLE-3 head's decoder layer (engine/draft/eagle3.py Eagle3Layer with layers.py's Attention and MLP) on Q8_0
-// projections, op for op as the Python modules run it, so drafts come out with the same bits, without Python between
-// its ~35 ops. embeds and hidden [1, T, H]; cos, sin [T, head_dim]; past keys and values [1, Hkv, S, head_dim] or
-// absent; mask bool [1, 1, T, S + T]; weights: input norm, hidden norm, post-attention norm, then the groups of each
-// matmul (each output feature computed as in its own projection). Returns the layer's output [1, T, H] and this
-// call's keys and values.
-std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
-                                     const at::Tensor& sin, const std::optional<at::Tensor>& past_keys,
-                                     const std::optional<at::Tensor>& past_values, const at::Tensor& mask,
-                                     at::TensorList weights, int64_t heads, int64_t head_dim, double eps,
-                                     bool int8) {
+// The EAGLE-3 head's decoder layer (engine/draft/eagle3.py Eagle3Layer with layers.py's Attention and MLP) on Q4_1
+// or Q8_0 projections, op for op as the Python modules run it, so drafts come out with the same bits, without Python between
+// its ~35 ops. embeds and hidden [1, T, H]; cos, sin [T, head_dim]; keys and values: the head's float32 cache buffers
+// [1, Hkv, capacity, head_dim], this call's keys and values written at `start` and attention reading positions
+// [0, start + T) in place (no copy of the cache); mask bool [1, 1, T, start + T], absent: every cached position and the
+// new ones causally; weights: input norm, hidden norm, post-attention norm, then the groups of each matmul (each output
+// feature computed as in its own projection). Returns the layer's output [1, T, H].
+at::Tensor eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                        const std::optional<at::Tensor>& mask, at::TensorList weights, int64_t heads, int64_t head_dim,
+                        double eps, bool int8) {
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == HEAD_TENSORS, "eagle3_layer: ", HEAD_TENSORS,
               " weight tensors, got ", weights.size());
-  TORCH_CHECK(past_keys.has_value() == past_values.has_value(), "eagle3_layer: past keys without values");
-  const int64_t rows = hidden.size(1);
+  const int64_t rows = hidden.size(1), end = start + rows;
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.dim() == 4 && keys.size(2) >= end,
+              "eagle3_layer: float32 cache buffers with room for ", end, " positions");
   const auto project = [&](int which, const at::Tensor& x) {
-    const at::Tensor &codes = weights[3 + 2 * which], &scales = weights[4 + 2 * which];
-    return int8 ? int8_linear(x, codes, scales, std::nullopt, std::nullopt, std::nullopt, std::nullopt, scales.size(0) * LANES)
-                : q8_0_linear(x, codes, scales, std::nullopt);
+    const at::Tensor &codes = weights[3 + 3 * which], &scales = weights[4 + 3 * which], &mins = weights[5 + 3 * which];
+    if (int8)
+      return int8_linear(x, codes, scales, optional(mins), std::nullopt, std::nullopt, std::nullopt,
+                         scales.size(0) * LANES);
+    return present(mins) ? q4_1_linear(x, codes, scales, mins, std::nullopt) : q8_0_linear(x, codes, scales, std::nullopt);
   };
   const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(hidden, weights[1], eps)}, -1);
   const at::Tensor qkv = project(0, x);
-  const int64_t qf = heads * head_dim, kv = (qkv.size(-1) - qf) / 2;
+  const int64_t qf = heads * head_dim;
   const at::Tensor cos_rows = cos.contiguous(), sin_rows = sin.contiguous();
-  const at::Tensor q = rotated(qkv, 0, qf / head_dim, head_dim, cos_rows, sin_rows);
-  const at::Tensor k = rotated(qkv, qf, kv / head_dim, head_dim, cos_rows, sin_rows);
-  const at::Tensor v = split_heads(qkv, qf + kv, kv, head_dim);
-  const at::Tensor keys = past_keys.has_value() ? at::cat({*past_keys, k}, 2) : k;
-  const at::Tensor values = past_values.has_value() ? at::cat({*past_values, v}, 2) : v;
+  const at::Tensor q = rotated(qkv, 0, heads, head_dim, cos_rows, sin_rows);
+  write_keys_values(qkv, qf, head_dim, cos_rows, sin_rows, keys, values, start);
+  const at::Tensor seen_keys = keys.slice(2, 0, end), seen_values = values.slice(2, 0, end);
+  at::Tensor visible;
+  if (mask.has_value()) {
+    visible = *mask;
+  } else {  // the cache, then the new rows causally
+    visible = at::ones({1, 1, rows, end}, keys.options().dtype(at::kBool));
+    visible.narrow(-1, start, rows).copy_(at::ones({rows, rows}, visible.options()).tril());
+  }
   // layers.attend: query heads sharing a key/value head become rows of one attention, the mask repeated for each.
   const int64_t kv_heads = keys.size(1), groups = heads / kv_heads;
   at::Tensor attended;
   if (groups == 1) {
-    attended = at::scaled_dot_product_attention(q, keys, values, mask);
+    attended = at::scaled_dot_product_attention(q, seen_keys, seen_values, visible);
   } else {
     const at::Tensor grouped = q.reshape({1, kv_heads, groups * rows, head_dim});
-    const at::Tensor repeated = mask.unsqueeze(2).expand({-1, -1, groups, -1, -1}).flatten(2, 3);
-    attended = at::scaled_dot_product_attention(grouped, keys, values, repeated).view({1, heads, rows, head_dim});
+    const at::Tensor repeated = visible.unsqueeze(2).expand({-1, -1, groups, -1, -1}).flatten(2, 3);
+    attended = at::scaled_dot_product_attention(grouped, seen_keys, seen_values, repeated).view({1, heads, rows, head_dim});
   }
   const at::Tensor after = hidden + project(1, attended.transpose(1, 2).reshape({1, rows, -1}));
-  return {after + project(3, gated(project(2, rms_norm(after, weights[2], eps)), false)), k, v};
+  return after + project(3, gated(project(2, rms_norm(after, weights[2], eps)), false));
 }
 
 

@@ -386,4 +386,60 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return int8_linears(x, {w}, {bias.has_value() ? bias->data_ptr<float>() : nullptr});
 }
 
+
+namespace {
+
+// Element i of a repacked scale or min tensor as float32: a float16 or float32 value, or an int8 one times its
+// block's float16 factor (a K-quant's), the product exact in float32 as Repacked.float_scales makes it.
+float factor(const Int8Layer& w, const void* values, const at::Half* block, int64_t i, int64_t block_i) {
+  if (block) return static_cast<float>(static_cast<const int8_t*>(values)[i]) * static_cast<float>(block[block_i]);
+  if (w.float_scales) return static_cast<const float*>(values)[i];
+  return static_cast<float>(static_cast<const at::Half*>(values)[i]);
+}
+
+}  // namespace
+
+at::Tensor int8_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& block_scales,
+                     const std::optional<at::Tensor>& block_mins, int64_t out_features) {
+  const int64_t groups = codes.size(1), in = groups * GROUP;
+  const Int8Layer w = int8_layer(codes, scales, mins, block_scales, block_mins, out_features, in);
+  const at::Tensor which = ids.to(at::kLong).contiguous();
+  const int64_t count = which.numel();
+  const int64_t* rows = which.data_ptr<int64_t>();
+  for (int64_t r = 0; r < count; ++r)
+    TORCH_CHECK(rows[r] >= 0 && rows[r] < out_features, "int8_rows: row ", rows[r], " of a table of ", out_features);
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(in);
+  at::Tensor out = at::empty({count, in}, scales.options().dtype(at::kFloat));
+  float* os = out.data_ptr<float>();
+  const int64_t chunks = w.q4 ? 4 : 8, scales_a_group = w.halves ? 2 : 1;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t tile = rows[r] / LANES, lane = rows[r] % LANES;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = (tile * groups + g) * LANES + lane, block = (tile * w.blocks + g / 8) * LANES + lane;
+      float s[2], m = 0.f;
+      for (int64_t h = 0; h < scales_a_group; ++h)
+        s[h] = factor(w, w.scales, w.block_scales, ((tile * groups + g) * scales_a_group + h) * LANES + lane, block);
+      if (w.mins) m = factor(w, w.mins, w.block_mins, at, block);
+      float* o = os + r * in + g * GROUP;
+      const int64_t first = ((tile * groups + g) * chunks * LANES + lane) * 4;  // chunk 0's 4 bytes of this lane
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t k = 0; k < 4; ++k) {
+          const int64_t j = 4 * c + k, byte = first + c * LANES * 4 + k;
+          if (w.q4) {
+            const uint8_t pair = static_cast<const uint8_t*>(w.codes)[byte];
+            o[j] = static_cast<float>(pair & 15) * s[0];
+            o[j + 16] = static_cast<float>(pair >> 4) * s[0];
+          } else {
+            o[j] = static_cast<float>(static_cast<const int8_t*>(w.codes)[byte]) * s[w.halves ? j / 16 : 0];
+          }
+        }
+      if (w.mins)
+        for (int64_t j = 0; j < GROUP; ++j) o[j] = o[j] + m;
+    }
+  }
+  return out.view(shape);
+}
+
 }  // namespace eagle_cpu

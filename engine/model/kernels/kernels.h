@@ -212,6 +212,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& block_scales,
                        const std::optional<at::Tensor>& block_mins, const std::optional<at::Tensor>& bias,
                        int64_t out_features);
+// Rows `ids` of such a table as the float32 weights its groups stand for, scale * q (+ min) as gguf-py rounds them:
+// an embedding's lookup from the int8 kernels' own copy of the table. float32 [ids.., in].
+at::Tensor int8_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& block_scales,
+                     const std::optional<at::Tensor>& block_mins, int64_t out_features);
 
 // attention.cpp
 // The keys one query row sees, in key order, with their additive mask values: the same for every head of the row.
@@ -244,10 +249,9 @@ std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::
                                         const at::Tensor& final_norm, int64_t start, int64_t head_dim, double eps,
                                         double scale, at::IntArrayRef capture, bool int8, at::IntArrayRef sliding,
                                         bool gelu);
-std::vector<at::Tensor> eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
-                                     const at::Tensor& sin, const std::optional<at::Tensor>& past_keys,
-                                     const std::optional<at::Tensor>& past_values, const at::Tensor& mask,
-                                     at::TensorList weights, int64_t heads, int64_t head_dim, double eps,
-                                     bool int8);
+at::Tensor eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                        const std::optional<at::Tensor>& mask, at::TensorList weights, int64_t heads, int64_t head_dim,
+                        double eps, bool int8);
 
 }  // namespace eagle_cpu

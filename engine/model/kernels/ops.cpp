@@ -45,6 +45,8 @@ TORCH_LIBRARY(eagle_cpu, m) {
   m.def("set_vnni(bool vnni) -> bool", &eagle_cpu::set_vnni);
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? block_scales, Tensor? block_mins, "
         "Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_rows(Tensor ids, Tensor codes, Tensor scales, Tensor? mins, Tensor? block_scales, Tensor? block_mins, "
+        "int out_features) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -55,14 +57,15 @@ TORCH_LIBRARY(eagle_cpu, m) {
         "Tensor? mask, Tensor? sliding_mask, __torch__.torch.classes.eagle_cpu.Weights weights, Tensor[] caches, "
         "Tensor final_norm, int start, int head_dim, float eps, float scale, int[] capture, bool int8, "
         "int[] sliding, bool gelu) -> Tensor[]");
-  m.def("eagle3_layer(Tensor embeds, Tensor hidden, Tensor cos, Tensor sin, Tensor? past_keys, Tensor? past_values, "
-        "Tensor mask, Tensor[] weights, int heads, int head_dim, float eps, bool int8) -> Tensor[]");
+  m.def("eagle3_layer(Tensor embeds, Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
+        "int start, Tensor? mask, Tensor[] weights, int heads, int head_dim, float eps, bool int8) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
   m.impl("q4_1_linear", &eagle_cpu::q4_1_linear);
   m.impl("q8_0_linear", &eagle_cpu::q8_0_linear);
   m.impl("int8_linear", &eagle_cpu::int8_linear);
+  m.impl("int8_rows", &eagle_cpu::int8_rows);
   m.impl("rms_norm", &eagle_cpu::rms_norm);
   m.impl("attention", &eagle_cpu::attention);
   m.impl("decoder_forward", &eagle_cpu::decoder_forward);
