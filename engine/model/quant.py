@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from . import kernels
 from .attention import FIXED_ORDER
 from .groups import GROUP, Groups, groups_from_blocks, quantize
-from .gguf_tensors import TensorBlocks, gguf_name, read_tensors, tensor_names
+from .gguf_tensors import FLOAT_TYPES, TensorBlocks, gguf_name, read_tensors, tensor_names
 from .load import _source, on_gpu
 
 KERNELS = ("auto", "float", "q4", "int8")
@@ -149,11 +149,9 @@ class QuantLinear(nn.Module):
 
     def groups(self) -> Groups:
         if self.int8:
-            return self._repacked().groups(self.kind, self.out_features)
+            return Repacked(self.codes, self.scales, self.mins, self.block_scales, self.block_mins).groups(
+                self.kind, self.out_features)
         return Groups(self.kind, self.codes, self.scales, self.mins)
-
-    def _repacked(self) -> Repacked:
-        return Repacked(self.codes, self.scales, self.mins, self.block_scales, self.block_mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.eagle_cpu
@@ -193,12 +191,21 @@ def gguf_groups(model: PreTrainedModel, path: Path) -> dict[int, Groups]:
     """The GGUF file's grouped tensors (every type engine.model.groups reads), keyed by id() of the model parameter
     transformers loaded from each (rows put in transformers' order, as it permutes Llama's q and k), kept only where
     they dequantize to exactly that parameter's float32 values."""
+    return _gguf_weights(model, path)[0]
+
+
+def _gguf_weights(model: PreTrainedModel, path: Path) -> tuple[dict[int, Groups], set[int]]:
+    """gguf_groups, and id() of the model parameters the file holds as float matrices (F16, BF16, F32), from one
+    reading of its tensor table."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     architecture, tensors = read_tensors(path)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
-    found = {}
+    float_kinds = {name for name, _ in FLOAT_TYPES.values()}
+    found, floats = {}, set()
     for weight, tensor in _file_tensors(model, architecture, tensors):
+        if tensor.kind in float_kinds and len(tensor.shape) == 2:
+            floats.add(id(weight))
         if not tensor.grouped:
             continue
         groups = groups_from_blocks(tensor.kind, processor.process(weights=tensor.blocks, name=tensor.name).weights)
@@ -207,14 +214,7 @@ def gguf_groups(model: PreTrainedModel, path: Path) -> dict[int, Groups]:
         else:
             log.warning("%s: its GGUF groups do not give the loaded weights exactly; that layer keeps float kernels",
                         tensor.name)
-    return found
-
-
-def gguf_float_matrices(model: PreTrainedModel, path: Path) -> set[int]:
-    """id() of the model parameters the GGUF file holds as float matrices (F16, BF16, F32)."""
-    architecture, tensors = read_tensors(path)
-    return {id(weight) for weight, tensor in _file_tensors(model, architecture, tensors)
-            if tensor.kind in ("F16", "BF16", "F32") and len(tensor.shape) == 2}
+    return found, floats
 
 
 def _file_tensors(model: PreTrainedModel, architecture: str, tensors: list[TensorBlocks]
@@ -248,8 +248,8 @@ def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str 
     `kinds` gives its attribute name."""
     if not kernels.available():
         raise RuntimeError(f"QuantLinear needs engine/model/kernels: {kernels.unavailable_reason()}")
-    found = gguf_groups(model, gguf_file) if gguf_file is not None else None
-    floats = gguf_float_matrices(model, gguf_file) if gguf_file is not None and int8 else set()
+    found, floats = _gguf_weights(model, gguf_file) if gguf_file is not None else (None, set())
+    floats = floats if int8 else set()
     lm_head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
     count = rounded = 0
     for parent in list(model.modules()):
