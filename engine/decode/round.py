@@ -129,17 +129,17 @@ def accept(verification: Verification, sampling: Sampling, generator: torch.Gene
     return Acceptance(*accept_sampling(verification.tree, verification.logits, sampling, generator))
 
 
-def commit(
-    seq: Sequence, drafter: Drafter | None, verification: Verification, acceptance: Acceptance, defer: bool = False
-) -> list[int]:
-    """Keep the accepted path in the base cache, give its features to the drafter (deferred: for its next drafting
-    round to run) and its tokens to the context index; returns the new tokens."""
+def commit(seq: Sequence, drafter: Drafter | None, verification: Verification, acceptance: Acceptance) -> list[int]:
+    """Keep the accepted path in the base cache, give its features to the drafter and its tokens to the context
+    index; returns the new tokens. The drafter runs the new slots when it next drafts: a round whose tree the
+    context's chains fill needs no head, and the slots of several rounds then go through the head in one call, a few
+    rows costing about what one does."""
     path = torch.tensor(acceptance.path)
     keep_path(seq.cache, seq.cached, path)
     tokens = acceptance.tokens(verification.tree)
     if drafter is not None:
         features = verification.features[path.to(verification.features.device, non_blocking=True)]
-        drafter.commit(features, torch.tensor(tokens), defer)
+        drafter.commit(features, torch.tensor(tokens), defer=True)
     seq.remember(tokens)
     seq.root = acceptance.bonus
     return tokens
@@ -150,7 +150,7 @@ def speculative_round(
     head: bool = True,
 ) -> Step:
     """Draft a tree from the root, verify it, accept a path, commit it. head=False: draft from the context alone
-    and defer the drafter's slots (engine.decode.gate)."""
+    (engine.decode.gate)."""
     start = time.perf_counter()
     chains, match = context_chains(seq, params)
     tree = draft(drafter if head else None, seq, params, chains)
@@ -158,7 +158,7 @@ def speculative_round(
     verification = verify(target, tree, seq)
     acceptance = accept(verification, params.sampling, generator)
     committing = time.perf_counter()
-    tokens = commit(seq, drafter, verification, acceptance, defer=not head)
+    tokens = commit(seq, drafter, verification, acceptance)
     if seq.acceptance is not None and chains and match:
         seq.acceptance.observe(match, chains[0], tokens)
     draft_s = (drafted - start) + (time.perf_counter() - committing)  # the drafter's catch-up is drafting work

@@ -15,9 +15,10 @@ class Drafter:
     not the whole context as concatenation did.
 
     Slot p pairs the base feature after token p with token p+1, so each round commits the features of the
-    accepted path together with the tokens that follow them (the accepted drafts, then the bonus token). Rounds
-    that do not draft with the head (engine.decode.gate) may defer their slots: the next commit or proposal runs the head
-    over all of them in one call, a few rows costing about what one does.
+    accepted path together with the tokens that follow them (the accepted drafts, then the bonus token). A round
+    defers its slots: the next proposal runs the head over every slot committed since, in one call, a few rows
+    costing about what one does, and a round that drafts without the head (the context's chains fill its tree, or
+    engine.decode.gate rests the head) costs the head nothing.
     """
 
     def __init__(self, head: DraftHead, fused: bool = True):
