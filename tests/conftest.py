@@ -10,6 +10,7 @@ import torch
 from engine import Engine
 from engine.draft.context import ChainAcceptance, ContextDraft, ContextIndex
 from engine.draft.drafter import Drafter
+from engine.draft.tree import DynamicTree
 from engine.decode.gate import HeadGate
 from engine.model.packed import packable_dtypes
 from engine.tools.tiny import (  # noqa: F401  (the tests import the tiny models from here)
@@ -87,6 +88,32 @@ def assert_drafter_holds(engine: Engine, drafter: Drafter, text: list[int]) -> N
     for layer, fresh_layer in zip(drafter.cache, fresh.cache, strict=True):
         torch.testing.assert_close(layer.keys, fresh_layer.keys, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(layer.values, fresh_layer.values, rtol=1e-4, atol=1e-4)
+
+
+def assert_fused_head_gives_its_modules_bits(engine: Engine, vocab: int, int8: bool) -> None:
+    """A drafter over the fused head (engine.draft.fused) and one over the head's modules: a commit of 300 slots (past
+    the first rotary table), one of two, then a tree grown three levels deep with three siblings a level: the same
+    outputs, root logits, trees, and keys and values in their caches."""
+    drafters = [Drafter(engine.head, fused=fused) for fused in (True, False)]
+    assert drafters[0].fused is not None and drafters[0].fused.int8 == int8
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(302, engine.head.config.feature_size, generator=generator)
+    tokens = torch.randint(0, vocab, (302,), generator=generator)
+    tree = DynamicTree(total_tokens=8, depth=3, top_k=3)
+    for drafter in drafters:
+        drafter.commit(features[:300], tokens[:300])
+        drafter.commit(features[300:], tokens[300:])
+    ours, theirs = (drafter.propose(7, tree) for drafter in drafters)
+    assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.parents, theirs.parents)
+    assert torch.equal(drafters[0]._last_hidden, drafters[1]._last_hidden)
+    assert drafters[0]._last_logits is not None and drafters[1]._last_logits is None  # computed in the one call
+    roots = [drafter.root_log_probs(drafter._last_hidden) for drafter in drafters]
+    assert torch.equal(roots[0], roots[1])
+    hidden = torch.randn(3, engine.head.config.hidden_size, generator=generator)
+    assert torch.equal(drafters[0].log_probs(hidden), drafters[1].log_probs(hidden))
+    ends = 302 + 3 * 3  # the committed slots, then the tree's fed nodes
+    for our_layer, their_layer in zip(drafters[0].cache, drafters[1].cache):
+        assert all(torch.equal(a, b) for a, b in zip(our_layer.first(ends), their_layer.first(ends)))
 
 
 @pytest.fixture

@@ -14,13 +14,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from engine import Engine
 from engine.model import kernels
-from engine.draft.drafter import Drafter
 from engine.model.fused import why_not_fused
 from engine.model.quant import QuantLinear, quantize
 from engine.decode.round import Sequence, verify
 from engine.model.target import Target
-from engine.draft.tree import DraftTree, DynamicTree
-from tests.conftest import BRANCHING, VOCAB, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
+from engine.draft.tree import DraftTree
+from tests.conftest import (BRANCHING, VOCAB, IdsOnlyTokenizer, assert_fused_head_gives_its_modules_bits, random_head,
+                            tiny_base, tokens_of)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="engine/model/kernels unavailable")
 # One tiny model of each family; Gemma 3's slides over 32 tokens in all but one layer.
@@ -138,33 +138,16 @@ def test_models_it_does_not_describe_keep_transformers_forward():
 @pytest.mark.parametrize("kernels", ["q4", "int8"])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_the_eagle3_heads_layer_fused_gives_its_modules_bits(kernels, kind):
-    """A drafter over the fused layer and one over the head's modules: a commit of 300 slots (past the first rotary
-    table), one of two, then a tree grown three levels deep with three siblings a level: the same outputs, the same
-    trees and the same keys and values in their caches. The engine's head (Q4_1) and one in Q8_0."""
+    """The fused head gives its modules' bits (conftest's check), the engine's head (Q4_1, fc Q8_0) and one all in
+    Q8_0, the embedding looked up before the call (a float table)."""
     model = tiny_base("llama-h64-l8-gqa")
     engine = Engine(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
     for parent in list(engine.head.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, QuantLinear) and child.kind != kind:
                 setattr(parent, name, QuantLinear(quantize(child.dequantized(), kind), None, child.int8))
-    drafters = [Drafter(engine.head, fused=fused) for fused in (True, False)]
-    assert drafters[0].fused is not None and drafters[0].fused.int8 == (kernels == "int8")
     assert engine.head.midlayer.mlp.down_proj.kind == engine.head.lm_head.kind == kind
-    generator = torch.Generator().manual_seed(0)
-    features = torch.randn(302, engine.head.config.feature_size, generator=generator)
-    tokens = torch.randint(0, VOCAB, (302,), generator=generator)
-    tree = DynamicTree(total_tokens=8, depth=3, top_k=3)
-    for drafter in drafters:
-        drafter.commit(features[:300], tokens[:300])
-        drafter.commit(features[300:], tokens[300:])
-    ours, theirs = (drafter.propose(7, tree) for drafter in drafters)
-    assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.parents, theirs.parents)
-    assert torch.equal(drafters[0]._last_hidden, drafters[1]._last_hidden)
-    hidden = torch.randn(3, engine.head.config.hidden_size, generator=generator)
-    assert torch.equal(drafters[0].log_probs(hidden), drafters[1].log_probs(hidden))
-    ends = 302 + 3 * 3  # the committed slots, then the tree's fed nodes
-    for our_layer, their_layer in zip(drafters[0].cache, drafters[1].cache):
-        assert all(torch.equal(a, b) for a, b in zip(our_layer.first(ends), their_layer.first(ends)))
+    assert_fused_head_gives_its_modules_bits(engine, VOCAB, int8=kernels == "int8")
 
 
 @pytest.mark.parametrize("kernels", ["float", "int8"])

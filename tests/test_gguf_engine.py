@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BRANCHING, random_head, tokens_of
+from conftest import BRANCHING, assert_fused_head_gives_its_modules_bits, random_head, tokens_of
 from engine import Engine
+from engine.draft.drafter import Drafter
 from engine.model import kernels
 from engine.model.load import load_base
 from engine.model.quant import QuantLinear
@@ -80,6 +81,17 @@ def test_the_embedding_is_read_from_the_files_groups(tmp_path, monkeypatch):
     engine = grouped_engine(path, head=False)
     table = engine.model.get_input_embeddings()
     assert table.weight.numel() == 0 and torch.equal(table(torch.tensor([[0, 5, 319]])), reference)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_the_fused_head_reads_the_files_embedding_with_its_modules_bits(tmp_path, monkeypatch, architecture):
+    """On a GGUF base the fused head looks its token rows up in the file's groups itself (Gemma's scale on them) and
+    drafts with the bits of the head's modules."""
+    monkeypatch.setenv("EAGLE_CHAT_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tiny_base(WIDE[architecture], GGUF_VOCAB), tmp_path / f"{architecture}.gguf", Q4_K_M)
+    engine = grouped_engine(path)
+    assert Drafter(engine.head).fused.table  # the table's groups, not rows looked up before the call
+    assert_fused_head_gives_its_modules_bits(engine, GGUF_VOCAB, int8=True)
 
 
 @pytest.mark.parametrize("architecture, kind", [("llama", "Q4_K_M"), ("qwen2", "Q4_K_M"), ("gemma3", "Q4_K_M"),

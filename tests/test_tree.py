@@ -161,6 +161,9 @@ class PathHead:
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.stack([self.path_log_probs(self.decode(h)) for h in hidden])
 
+    def root_log_probs(self, root_hidden: torch.Tensor) -> torch.Tensor:
+        return self.log_probs(root_hidden[None])[0]
+
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.draft_to_target[draft_ids]
 

@@ -29,6 +29,7 @@ class Drafter:
         self.cache: list[GrowingLayer] = []  # one per head layer, created by the first commit
         self._fed = 0  # tree nodes of this proposal written after the committed slots
         self._last_hidden: torch.Tensor | None = None
+        self._last_logits: torch.Tensor | None = None  # its draft logits, where the fused head computed them too
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # slots committed but not yet run through the head
 
     @property
@@ -44,14 +45,16 @@ class Drafter:
     def reset(self, cache: list[GrowingLayer] | None = None) -> None:
         """Start over, or from `cache` (a kept prefix's slots: engine.decode.prefixes)."""
         self.cache, self._fed, self._deferred = cache or [], 0, []
+        self._last_hidden = self._last_logits = None
 
     def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-             from_target: bool, start: int) -> torch.Tensor:
+             from_target: bool, start: int, logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head over new slots that see the positions before `start` and, as mask says (None: causally), each
-        other; their keys and values go in at `start`."""
+        other; their keys and values go in at `start`. Returns their outputs and, where the fused head computes them
+        in the same call and `logits` asks, the last one's draft logits (else None)."""
         if self.fused is not None:
             self.cache = self.cache or [GrowingLayer()]
-            return self.fused.run(hidden, tokens, positions, mask, self.cache[0], start, from_target)
+            return self.fused.run(hidden, tokens, positions, mask, self.cache[0], start, from_target, logits)
         if mask is None:
             t = tokens.shape[-1]
             causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
@@ -61,7 +64,7 @@ class Drafter:
         self.cache = self.cache or [GrowingLayer() for _ in new_kv]
         for layer, (keys, values) in zip(self.cache, new_kv):
             layer.write(start, keys, values)
-        return out
+        return out, None
 
     @torch.inference_mode()
     def commit(self, features: torch.Tensor, next_tokens: torch.Tensor, defer: bool = False) -> None:
@@ -84,8 +87,9 @@ class Drafter:
         self._deferred = []
         t, n = len(next_tokens), self.length
         positions = torch.arange(n, n + t, device=self.device)
-        out = self._run(features[None].to(self.device), next_tokens[None].to(self.device, non_blocking=True),
-                        positions, None, True, n)
+        out, self._last_logits = self._run(features[None].to(self.device),
+                                           next_tokens[None].to(self.device, non_blocking=True), positions, None,
+                                           True, n, logits=True)
         for layer in self.cache:
             layer.length = n + t
         self._fed = 0
@@ -106,12 +110,18 @@ class Drafter:
         visible = visible.to(self.device, non_blocking=True)
         mask = torch.cat([torch.ones(b, n, dtype=torch.bool, device=self.device), visible], dim=1)
         tokens = tokens.to(self.device, non_blocking=True)
-        out = self._run(hidden[None], tokens[None], positions, mask[None, None], False, n + self._fed)
+        out, _ = self._run(hidden[None], tokens[None], positions, mask[None, None], False, n + self._fed)
         self._fed += b
         return out[0]
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax((self.fused or self.head).logits(hidden).float(), dim=-1)
+
+    def root_log_probs(self, root_hidden: torch.Tensor) -> torch.Tensor:
+        """The root's are the last committed slot's: the fused head computed its logits in the catch-up's call."""
+        if self._last_logits is not None:
+            return torch.log_softmax(self._last_logits, dim=-1)
+        return self.log_probs(root_hidden[None])[0]
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target(draft_ids.to(self.device, non_blocking=True))

@@ -1,7 +1,9 @@
-"""An EAGLE-3 head's layer on grouped kernels in one C++ call (engine/model/kernels eagle3_layer), for drafting.
+"""An EAGLE-3 head on grouped kernels in one C++ call (engine/model/kernels eagle3_head), for drafting.
 
-A draft round runs the head three or four times on a few rows, where the Python between a decoder layer's ops costs
-more than the ops themselves.
+A draft round runs the head on a few rows, right after a base forward has pushed the caches' contents out: each
+torch op and line of Python between the head's ops then costs tens of microseconds, more than the ops themselves.
+One call runs fc, the token embeddings, the rotary rows, the decoder layer and, for the last row, the final norm and
+the LM head.
 """
 from __future__ import annotations
 
@@ -9,16 +11,17 @@ import torch
 
 from ..model.cache import GrowingLayer
 from ..model.fused import PROJECTIONS
-from ..model.quant import TILE, QuantLinear
+from ..model.quant import TILE, GroupedEmbedding, QuantLinear
 from .eagle3 import Eagle3Head
 
-MATMULS = (PROJECTIONS[:3], PROJECTIONS[3:4], PROJECTIONS[4:6], PROJECTIONS[6:])  # eagle3_layer's, stacked
+KINDS = ("Q4_1", "Q8_0")  # the types of the head's linear layers the call takes
+MATMULS = (PROJECTIONS[:3], PROJECTIONS[3:4], PROJECTIONS[4:6], PROJECTIONS[6:])  # eagle3_head's, stacked
 
 
 class FusedEagle3:
-    """An EAGLE-3 head whose layer's projections are bias-free QuantLinears of Q4_1 or Q8_0 (a head on grouped
-    kernels), run as the head runs (DraftHead.forward), its layer in one kernel call that writes the head's cache in
-    place."""
+    """An EAGLE-3 head whose fc, layer projections and LM head are bias-free QuantLinears of Q4_1 or Q8_0 (a head on
+    grouped kernels), run as the head runs (DraftHead.forward, then Eagle3Head.logits for the last row) in one kernel
+    call that writes the head's cache in place."""
 
     def __init__(self, head: Eagle3Head):
         self.head, layer = head, head.midlayer
@@ -32,43 +35,69 @@ class FusedEagle3:
             codes, scales, *mins = stacked([layer.get_submodule(name) for name in names])
             self.weights += [codes, scales, mins[0] if mins else torch.empty(0)]
         self.int8 = layer.self_attn.q_proj.int8
+        self.fc = linear_tensors(head.fc)
+        self.lm_head = [head.norm.weight, *linear_tensors(head.lm_head)]
+        table = head.embedding()
+        self.table, self.vocab = embedding_tensors(table), getattr(table, "num_embeddings", 0)
 
     @classmethod
     def of(cls, head) -> FusedEagle3 | None:
-        """A FusedEagle3 for `head` if eagle3_layer computes exactly what its modules compute (QuantLinears exist
+        """A FusedEagle3 for `head` if eagle3_head computes exactly what its modules compute (QuantLinears exist
         only where engine/model/kernels built); the kernel adds the raw hidden state back, as the official layer does."""
         if not isinstance(head, Eagle3Head) or head.midlayer.norm_before_residual:
             return None
         projections = [head.midlayer.get_submodule(name) for name in PROJECTIONS]
         kind = getattr(projections[0], "kind", None)
-        return cls(head) if kind in ("Q4_1", "Q8_0") and stackable(projections, kind) else None
+        if kind not in KINDS or not stackable(projections, kind) or head.norm.eps != head.midlayer.input_layernorm.eps:
+            return None
+        ends = (head.fc, head.lm_head)  # each a bias-free QuantLinear on the layer's kernels
+        return cls(head) if all(isinstance(end, QuantLinear) and end.kind in KINDS and end.bias is None and
+                                end.int8 == projections[0].int8 for end in ends) else None
 
     def run(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-            layer: GrowingLayer, start: int, from_target: bool) -> torch.Tensor:
+            layer: GrowingLayer, start: int, from_target: bool, logits: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head over new slots [1, T] as DraftHead.forward runs it, their keys and values written into the head's
         cache `layer` at `start` by the kernel itself; they see the positions before `start` and, as mask says
-        (None: causally), each other. Returns the new hidden states [1, T, H]."""
-        head = self.head
-        hidden = hidden.to(head.fc.weight.dtype)
-        hidden = head.fc(hidden) if from_target else hidden
-        cos, sin = self._rope(positions)
-        like = hidden.new_empty(1, self.kv_heads, 0, self.head_dim)
-        keys, values = layer.reserve(start + hidden.shape[1], like, like)
-        return torch.ops.eagle_cpu.eagle3_layer(head.embed(token_ids), hidden, cos, sin, keys, values, start, mask,
-                                                self.weights, self.heads, self.head_dim, self.eps, self.int8)
+        (None: causally), each other; positions are at most start + T - 1. Returns the new hidden states [1, T, H]
+        and, with `logits`, the last one's draft logits (Eagle3Head.logits), else None."""
+        rows = hidden.shape[1]
+        self._cover(start + rows)
+        like = self._cos.new_empty(1, self.kv_heads, 0, self.head_dim)
+        keys, values = layer.reserve(start + rows, like, like)
+        embedding = self.table or [self.head.embed(token_ids)]
+        out, last = torch.ops.eagle_cpu.eagle3_head(
+            hidden.float(), token_ids, positions, self._cos, self._sin, keys, values, start, mask, self.weights,
+            self.fc if from_target else [], embedding, self.lm_head if logits else [], self.vocab,
+            self.head.lm_head.out_features, self.heads, self.head_dim, self.eps, self.int8)
+        return out, last if logits else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Eagle3Head.logits with its final norm as one kernel call (the same bits)."""
         norm = self.head.norm
         return self.head.lm_head(torch.ops.eagle_cpu.rms_norm(hidden, norm.weight, norm.eps))
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at `positions`: rows of a table the head's own rotary computes once for the positions seen so
-        far (every row the bits computing it alone gives: the same elementwise ops)."""
-        needed = int(positions.max()) + 1
-        if needed > len(self._cos):
-            self._cos, self._sin = self.head.rope(torch.arange(max(needed, 2 * len(self._cos), 256)))
-        return self._cos[positions], self._sin[positions]
+    def _cover(self, positions: int) -> None:
+        """Rotary tables with at least `positions` rows, computed by the head's own rotary once for the positions
+        seen so far (every row the bits computing it alone gives: the same elementwise ops)."""
+        if positions > len(self._cos):
+            self._cos, self._sin = self.head.rope(torch.arange(max(positions, 2 * len(self._cos), 256)))
+
+
+def linear_tensors(linear: QuantLinear) -> list[torch.Tensor]:
+    """A QuantLinear as eagle3_head takes a linear layer: codes, scales, mins, block scales, block mins (empty where
+    absent)."""
+    parts = (linear.codes, linear.scales, linear.mins, linear.block_scales, linear.block_mins)
+    return [torch.empty(0) if part is None else part for part in parts]
+
+
+def embedding_tensors(table: torch.nn.Module) -> list[torch.Tensor]:
+    """The base's embedding as eagle3_head reads it itself: an int8 GroupedEmbedding's groups and scale; [] for any
+    other table (the head then looks its rows up before the call)."""
+    if not isinstance(table, GroupedEmbedding) or not table.table.int8:
+        return []
+    scale = torch.empty(0) if table.scale is None else table.scale
+    return [*linear_tensors(table.table), scale]
 
 
 def stackable(modules: list, kind: str) -> bool:

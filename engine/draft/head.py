@@ -37,9 +37,12 @@ class DraftHead(nn.Module):
     def base_lm_head(self) -> nn.Module:
         return self._base[0].get_output_embeddings()
 
+    def embedding(self) -> nn.Module:
+        """The token embedding the head uses: its own if the checkpoint ships one, else the base model's."""
+        return self.embed_tokens if self.embed_tokens is not None else self._base[0].get_input_embeddings()
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if self.embed_tokens is not None else self._base[0].get_input_embeddings()
-        return table(token_ids).to(self.fc.weight.dtype)
+        return self.embedding()(token_ids).to(self.fc.weight.dtype)
 
     def rope(self, positions: torch.Tensor) -> KV:
         return self.rotary(positions, self.fc.weight.dtype)

@@ -69,6 +69,9 @@ class Expander(Protocol):
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [k, V_d] over the draft vocabulary."""
 
+    def root_log_probs(self, root_hidden: torch.Tensor) -> torch.Tensor:
+        """The root's draft log-probabilities [V_d] (log_probs of root_hidden, or what the drafter has of them)."""
+
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Base-vocabulary ids of draft-vocabulary ids."""
 
@@ -104,7 +107,7 @@ def grow_dynamic(
     min_prob, are never grown. The tree may be the root alone: then the round is a plain step."""
     device = root_hidden.device
     floor = math.log(min_prob) if min_prob > 0 else -math.inf
-    logp = expander.log_probs(root_hidden[None])[0]
+    logp = expander.root_log_probs(root_hidden)
     if total_tokens == 2:  # the best draft alone: nothing to grow or rank (the CPU default, every round)
         best = int(logp.argmax())
         if min_prob > 0 and float(logp[best]) < floor:
@@ -161,15 +164,15 @@ def grow_static(expander: Expander, root: int, root_hidden: torch.Tensor, paths:
     fed_row: dict[tuple, int] = {}
     fed = _FedNodes(expander, root_hidden.device)
 
-    def children_of(parents: list[tuple], outs: torch.Tensor) -> None:
+    def children_of(parents: list[tuple], logp: torch.Tensor) -> None:
         wanted = max(p[-1] for p in paths if p[:-1] in parents) + 1
-        ranked = expander.to_target(expander.log_probs(outs).topk(wanted, dim=-1).indices)
+        ranked = expander.to_target(logp.topk(wanted, dim=-1).indices)
         for parent, ranks in zip(parents, ranked.tolist()):
             for p in paths:
                 if p[:-1] == parent:
                     tokens[index[p]] = ranks[p[-1]]
 
-    children_of([()], root_hidden[None])
+    children_of([()], expander.root_log_probs(root_hidden)[None])
     for level in range(max(map(len, paths)) - 1):
         batch = [p for p in paths if len(p) == level + 1 and p in expanded]
         hidden = torch.stack([hidden_of[p[:-1]] for p in batch])
@@ -179,7 +182,7 @@ def grow_static(expander: Expander, root: int, root_hidden: torch.Tensor, paths:
         outs = fed.feed(hidden, toks, parent_rows, level)
         for i, p in enumerate(batch):
             hidden_of[p], fed_row[p] = outs[i], start + i
-        children_of(batch, outs)
+        children_of(batch, expander.log_probs(outs))
     parents = [-1] + [index[p[:-1]] for p in paths]
     return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents))
 

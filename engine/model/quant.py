@@ -305,8 +305,12 @@ class GroupedEmbedding(nn.Module):
                              persistent=False)
         self.register_buffer("weight", torch.empty(0), persistent=False)  # its dtype, for code that asks
 
+    @property
+    def table(self) -> QuantLinear:
+        return self._table[0]
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self._table[0].rows(ids)
+        rows = self.table.rows(ids)
         return rows if self.scale is None else rows * self.scale
 
 

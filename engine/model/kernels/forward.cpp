@@ -1,6 +1,6 @@
 // rms_norm, rotary and the residual stream by hand, and the two whole forwards built from them and the other files'
-// kernels: a grouped decoder of the Llama, Qwen2, Qwen3 or Gemma 3 family (decoder_forward) and an EAGLE-3 head's
-// layer (eagle3_layer), op for op as transformers runs them, so every output has the very same bits, without Python
+// kernels: a grouped decoder of the Llama, Qwen2, Qwen3 or Gemma 3 family (decoder_forward) and an EAGLE-3
+// head (eagle3_head), op for op as transformers runs them, so every output has the very same bits, without Python
 // between their ops.
 #include "kernels.h"
 
@@ -306,33 +306,68 @@ std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::
 constexpr int64_t HEAD_TENSORS = 3 + 4 * 3;  // three norms; codes, scales and mins (Q4_1; empty for Q8_0) of q, k
                                              // and v stacked, o, gate and up stacked, down
 
-// The EAGLE-3 head's decoder layer (engine/draft/eagle3.py Eagle3Layer with layers.py's Attention and MLP) on Q4_1
-// or Q8_0 projections, op for op as the Python modules run it, so drafts come out with the same bits, without Python between
-// its ~35 ops. embeds and hidden [1, T, H]; cos, sin [T, head_dim]; keys and values: the head's float32 cache buffers
-// [1, Hkv, capacity, head_dim], this call's keys and values written at `start` and attention reading positions
-// [0, start + T) in place (no copy of the cache); mask bool [1, 1, T, start + T], absent: every cached position and the
-// new ones causally; weights: input norm, hidden norm, post-attention norm, then the groups of each matmul (each output
-// feature computed as in its own projection). Returns the layer's output [1, T, H].
-at::Tensor eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
-                        const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values, int64_t start,
-                        const std::optional<at::Tensor>& mask, at::TensorList weights, int64_t heads, int64_t head_dim,
-                        double eps, bool int8) {
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == HEAD_TENSORS, "eagle3_layer: ", HEAD_TENSORS,
+namespace {
+
+// x through a linear layer of `features` outputs given as [codes, scales, mins] or [codes, scales, mins, block scales,
+// block mins] (empty where absent), as its QuantLinear computes it: on the int8 layout or on the float kernels' Q4_1
+// or Q8_0 groups.
+at::Tensor linear_of(at::TensorList w, const at::Tensor& x, bool int8, int64_t features) {
+  TORCH_CHECK(w.size() == 3 || w.size() == 5, "a linear layer is codes, scales, mins (and block scales and mins)");
+  if (int8)
+    return int8_linear(x, w[0], w[1], optional(w[2]), w.size() == 5 ? optional(w[3]) : std::nullopt,
+                       w.size() == 5 ? optional(w[4]) : std::nullopt, std::nullopt, features);
+  return present(w[2]) ? q4_1_linear(x, w[0], w[1], w[2], std::nullopt) : q8_0_linear(x, w[0], w[1], std::nullopt);
+}
+
+// The head's token embeddings [1, T, H]: `embedding` is either the rows themselves or the base's int8 table as
+// [codes, scales, mins, block scales, block mins, scale] (GroupedEmbedding: the rows, times its scale if it has one).
+at::Tensor embeddings_of(at::TensorList embedding, const at::Tensor& token_ids, int64_t vocab) {
+  if (embedding.size() == 1) return embedding[0];
+  TORCH_CHECK(embedding.size() == 6, "the embedding: its rows, or a table as 6 tensors");
+  const at::Tensor rows = int8_rows(token_ids, embedding[0], embedding[1], optional(embedding[2]),
+                                    optional(embedding[3]), optional(embedding[4]), vocab);
+  return (present(embedding[5]) ? rows * embedding[5] : rows).unsqueeze(0);
+}
+
+}  // namespace
+
+// The EAGLE-3 head over T new slots as engine/draft/eagle3.py runs it (fc, the token embeddings, its decoder layer
+// with layers.py's Attention and MLP), on Q4_1 or Q8_0 projections, op for op as the Python modules run them, so
+// drafts come out with the same bits, without Python between its ~40 ops: a draft round's few rows cost less than
+// the Python around them would.
+// hidden [1, T, F] (fc given: the base's fused features) or [1, T, H] (the head's own outputs); token_ids [T];
+// positions [T], rows of the rotary tables cos_table, sin_table [P, head_dim]; keys and values: the head's float32
+// cache buffers [1, Hkv, capacity, head_dim], this call's keys and values written at `start` and attention reading
+// positions [0, start + T) in place (no copy of the cache); mask bool [1, 1, T, start + T], absent: every cached
+// position and the new ones causally; weights: input norm, hidden norm, post-attention norm, then the groups of each
+// matmul (each output feature computed as in its own projection); fc: [] or a linear (linear_of); embedding: see
+// embeddings_of (vocab: the table's rows); lm_head: [] or the final norm's weight and a linear of draft_vocab
+// outputs.
+// Returns the layer's output [1, T, H] and, with lm_head, the draft logits of its last row [V_draft] (else empty).
+std::vector<at::Tensor> eagle3_head(const at::Tensor& hidden, const at::Tensor& token_ids, const at::Tensor& positions,
+                                    const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& keys,
+                                    const at::Tensor& values, int64_t start, const std::optional<at::Tensor>& mask,
+                                    at::TensorList weights, at::TensorList fc, at::TensorList embedding,
+                                    at::TensorList lm_head, int64_t vocab, int64_t draft_vocab, int64_t heads,
+                                    int64_t head_dim, double eps, bool int8) {
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == HEAD_TENSORS, "eagle3_head: ", HEAD_TENSORS,
               " weight tensors, got ", weights.size());
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 3 && hidden.size(0) == 1,
+              "eagle3_head takes float32 hidden states [1, T, F]");
   const int64_t rows = hidden.size(1), end = start + rows;
+  TORCH_CHECK(token_ids.numel() == rows && positions.numel() == rows, "eagle3_head: a token and a position a row");
   TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.dim() == 4 && keys.size(2) >= end,
-              "eagle3_layer: float32 cache buffers with room for ", end, " positions");
-  const auto project = [&](int which, const at::Tensor& x) {
-    const at::Tensor &codes = weights[3 + 3 * which], &scales = weights[4 + 3 * which], &mins = weights[5 + 3 * which];
-    if (int8)
-      return int8_linear(x, codes, scales, optional(mins), std::nullopt, std::nullopt, std::nullopt,
-                         scales.size(0) * LANES);
-    return present(mins) ? q4_1_linear(x, codes, scales, mins, std::nullopt) : q8_0_linear(x, codes, scales, std::nullopt);
+              "eagle3_head: float32 cache buffers with room for ", end, " positions");
+  const auto project = [&](int which, const at::Tensor& x) {  // stacked projections come in whole tiles
+    return linear_of(weights.slice(3 + 3 * which, 3), x, int8, weights[4 + 3 * which].size(0) * LANES);
   };
-  const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(hidden, weights[1], eps)}, -1);
+  const at::Tensor h = fc.empty() ? hidden : linear_of(fc, hidden, int8, weights[1].numel());
+  const at::Tensor embeds = embeddings_of(embedding, token_ids.reshape({-1}), vocab);
+  const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(h, weights[1], eps)}, -1);
   const at::Tensor qkv = project(0, x);
   const int64_t qf = heads * head_dim;
-  const at::Tensor cos_rows = cos.contiguous(), sin_rows = sin.contiguous();
+  const at::Tensor at_positions = positions.reshape({-1});
+  const at::Tensor cos_rows = cos_table.index_select(0, at_positions), sin_rows = sin_table.index_select(0, at_positions);
   const at::Tensor q = rotated(qkv, 0, heads, head_dim, cos_rows, sin_rows);
   write_keys_values(qkv, qf, head_dim, cos_rows, sin_rows, keys, values, start);
   const at::Tensor seen_keys = keys.slice(2, 0, end), seen_values = values.slice(2, 0, end);
@@ -353,9 +388,12 @@ at::Tensor eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, cons
     const at::Tensor repeated = visible.unsqueeze(2).expand({-1, -1, groups, -1, -1}).flatten(2, 3);
     attended = at::scaled_dot_product_attention(grouped, seen_keys, seen_values, repeated).view({1, heads, rows, head_dim});
   }
-  const at::Tensor after = hidden + project(1, attended.transpose(1, 2).reshape({1, rows, -1}));
-  return after + project(3, gated(project(2, rms_norm(after, weights[2], eps)), false));
+  const at::Tensor after = h + project(1, attended.transpose(1, 2).reshape({1, rows, -1}));
+  const at::Tensor out = after + project(3, gated(project(2, rms_norm(after, weights[2], eps)), false));
+  if (lm_head.empty()) return {out, at::Tensor()};
+  TORCH_CHECK(lm_head.size() == 6, "eagle3_head: the LM head is the final norm's weight and a linear");
+  const at::Tensor last = out.narrow(1, rows - 1, 1);
+  return {out, linear_of(lm_head.slice(1), rms_norm(last, lm_head[0], eps), int8, draft_vocab).reshape({-1})};
 }
-
 
 }  // namespace eagle_cpu

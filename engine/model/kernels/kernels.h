@@ -16,15 +16,15 @@
 //    key/value head go through together, and so do the rows of a call (a tree's nodes), each key and value read
 //    from memory once for all of them; keys and values float32 or float16 (widened exactly on load).
 // Then two whole forwards built from those and torch's own ops, in transformers' order (engine/model/fused.py): a
-// decoder of the Llama, Qwen2, Qwen3 or Gemma 3 family on grouped layers (decoder_forward) and an EAGLE-3 head's
-// layer (eagle3_layer), without Python between their ops.
+// decoder of the Llama, Qwen2, Qwen3 or Gemma 3 family on grouped layers (decoder_forward) and an EAGLE-3 head
+// (eagle3_head), without Python between their ops.
 //
 // One job a file, all in namespace eagle_cpu, each file's own helpers in an anonymous namespace inside it:
 //   kernels.h      what the files share: vector helpers, the 8- and 16-lane traits, the switches, the entry points
 //   linear.cpp     grouped_linear: Q4_1 and Q8_0 groups against float32 rows (q4_1_linear, q8_0_linear)
 //   int8.cpp       every GGUF type's groups against int8 rows (quantize_rows, the AVX2 and AVX-512 VNNI tiles)
 //   attention.cpp  the fixed-order attention (visible_rows, attend, attention)
-//   forward.cpp    rms_norm, rotary, the residual stream, decoder_forward and eagle3_layer
+//   forward.cpp    rms_norm, rotary, the residual stream, decoder_forward and eagle3_head
 //   ops.cpp        the switches (set_wide, set_vnni) and the torch.ops.eagle_cpu registration
 #pragma once
 
@@ -249,9 +249,11 @@ std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::
                                         const at::Tensor& final_norm, int64_t start, int64_t head_dim, double eps,
                                         double scale, at::IntArrayRef capture, bool int8, at::IntArrayRef sliding,
                                         bool gelu);
-at::Tensor eagle3_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& cos,
-                        const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values, int64_t start,
-                        const std::optional<at::Tensor>& mask, at::TensorList weights, int64_t heads, int64_t head_dim,
-                        double eps, bool int8);
+std::vector<at::Tensor> eagle3_head(const at::Tensor& hidden, const at::Tensor& token_ids, const at::Tensor& positions,
+                                    const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& keys,
+                                    const at::Tensor& values, int64_t start, const std::optional<at::Tensor>& mask,
+                                    at::TensorList weights, at::TensorList fc, at::TensorList embedding,
+                                    at::TensorList lm_head, int64_t vocab, int64_t draft_vocab, int64_t heads,
+                                    int64_t head_dim, double eps, bool int8);
 
 }  // namespace eagle_cpu

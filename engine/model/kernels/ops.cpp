@@ -57,8 +57,10 @@ TORCH_LIBRARY(eagle_cpu, m) {
         "Tensor? mask, Tensor? sliding_mask, __torch__.torch.classes.eagle_cpu.Weights weights, Tensor[] caches, "
         "Tensor final_norm, int start, int head_dim, float eps, float scale, int[] capture, bool int8, "
         "int[] sliding, bool gelu) -> Tensor[]");
-  m.def("eagle3_layer(Tensor embeds, Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
-        "int start, Tensor? mask, Tensor[] weights, int heads, int head_dim, float eps, bool int8) -> Tensor");
+  m.def("eagle3_head(Tensor hidden, Tensor token_ids, Tensor positions, Tensor cos_table, Tensor sin_table, "
+        "Tensor(a!) keys, Tensor(b!) values, int start, Tensor? mask, Tensor[] weights, Tensor[] fc, "
+        "Tensor[] embedding, Tensor[] lm_head, int vocab, int draft_vocab, int heads, int head_dim, float eps, "
+        "bool int8) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
@@ -69,5 +71,5 @@ TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
   m.impl("rms_norm", &eagle_cpu::rms_norm);
   m.impl("attention", &eagle_cpu::attention);
   m.impl("decoder_forward", &eagle_cpu::decoder_forward);
-  m.impl("eagle3_layer", &eagle_cpu::eagle3_layer);
+  m.impl("eagle3_head", &eagle_cpu::eagle3_head);
 }
