@@ -46,6 +46,7 @@ FINISH_NOTES = {
 OPTION_TYPES = {  # what each settings control's value becomes (the rest are floats)
     **dict.fromkeys(("max_new_tokens", "total_tokens", "depth", "draft_top_k", "top_k", "seed"), int),
     "method": str, "context": bool, "gate": bool,
+    "min_prob": lambda floor: float(floor) or None,  # the slider's 0: the floor a verified row's measured cost sets
 }
 NO_HEAD = "⚠ No draft head is loaded, so there is no EAGLE answer to compare (start the app with --head)."
 
@@ -305,8 +306,9 @@ def _side_panel(handlers: Handlers) -> SidePanel:
             "total_tokens": gr.Slider(2, 96, value=tree.total_tokens, step=1, label="Tree size",
                                       info="tokens verified per round (root included)"),
             "depth": gr.Slider(1, 10, value=tree.depth, step=1, label="Tree depth"),
-            "min_prob": gr.Slider(0.0, 0.95, value=tree.min_prob, step=0.05, label="Draft confidence floor",
-                                  info="drafts the head gives less probability are not verified"),
+            "min_prob": gr.Slider(0.0, 0.95, value=tree.min_prob or 0.0, step=0.05, label="Draft confidence floor",
+                                  info="drafts the head gives less probability are not verified; 0: what a "
+                                       "verified row costs on this machine, measured"),
             "context": gr.Checkbox(value=True, label="EAGLE drafts from the context too", elem_id="context",
                                    info="continuations of earlier text (this chat, else the model's own replies to "
                                         "other prompts) join the head's tree"),

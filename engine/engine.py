@@ -282,6 +282,8 @@ class Engine:
 
     def _locked(self, prompt_ids: list[int], params: DecodeParams) -> Iterator[Step]:
         with self._lock:
+            if params.floors_at_row_cost:
+                params = params.with_row_cost(self._chain_acceptance().row_cost)
             drafter = Drafter(self.head) if params.method == "eagle" else None
             kept = self.prefixes.take(prompt_ids, drafter is not None) if self.prefixes is not None else None
             if kept is not None and drafter is not None:

@@ -47,6 +47,7 @@ def test_the_settings_reach_the_decode_parameters(handlers):
     params = handlers.params(**settings(temperature=0.7, total_tokens=12.0, min_prob=0.25))
     assert params.method == "eagle" and params.sampling.temperature == 0.7 and params.tree.total_tokens == 12
     assert params.tree.min_prob == 0.25
+    assert handlers.params(**settings()).tree.min_prob is None  # the slider's 0: the floor the row cost sets
     assert params.context is not None and params.plain_every > 0
     assert handlers.params(**settings(context=False)).context is None
     assert params.gated and not handlers.params(**settings(gate=False)).gate

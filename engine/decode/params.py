@@ -9,6 +9,7 @@ from ..draft.tree import TREES, DynamicTree, TreeSpec
 from .accept import Sampling
 
 METHODS = ("vanilla", "eagle", "suffix")
+MAX_FLOOR = 0.95  # the highest draft floor a measured row cost sets: a draft the head is that sure of is verified
 _SAMPLING_OPTIONS = ("temperature", "top_p", "top_k")
 # flat option names (with_options, the bench's flags) -> DynamicTree fields
 DYNAMIC_TREE_OPTIONS = {"total_tokens": "total_tokens", "depth": "depth", "draft_top_k": "top_k",
@@ -67,6 +68,20 @@ class DecodeParams:
     def sizes_chains(self) -> bool:
         """Whether the context's chains are cut to what their acceptance so far says pays (ContextDraft.sized)."""
         return self.drafts_from_context and self.context.sized and self.adapts
+
+    @property
+    def floors_at_row_cost(self) -> bool:
+        """Whether the head's drafts are kept only where the head gives them at least a verified row's cost in plain
+        steps (DynamicTree.min_prob None), where the drafts may adapt: the cost is measured per machine."""
+        return self.method == "eagle" and isinstance(self.tree, DynamicTree) and self.tree.min_prob is None and \
+            self.adapts
+
+    def with_row_cost(self, row_cost: float) -> DecodeParams:
+        """A copy whose head tree keeps the drafts the head gives at least `row_cost` (floors_at_row_cost), else
+        itself."""
+        if not self.floors_at_row_cost:
+            return self
+        return replace(self, tree=replace(self.tree, min_prob=min(max(row_cost, 0.0), MAX_FLOOR)))
 
     @property
     def gated(self) -> bool:

@@ -201,13 +201,14 @@ class DynamicTree:
     top_k: int = 2  # children per expanded node
     # Keep only drafts whose path the head gives at least this probability (0: keep total_tokens - 1 always). The
     # head's cumulative probability tracks acceptance (EAGLE-2), and on a CPU a verified row costs a good share of a
-    # plain step, so a draft unlikely to be accepted costs more than it brings.
-    min_prob: float = 0.0
+    # plain step, so a draft unlikely to be accepted costs more than it brings. None: as much as a verified row costs
+    # in plain steps, where the engine measured it (engine.decode.costs.row_cost; Engine sets it), else 0.
+    min_prob: float | None = None
 
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
             raise ValueError("tree depth and draft top-k must be >= 1 and total_tokens >= 2")
-        if not 0 <= self.min_prob < 1:
+        if self.min_prob is not None and not 0 <= self.min_prob < 1:
             raise ValueError(f"min_prob must be in [0, 1), got {self.min_prob}")
 
     @property
@@ -216,7 +217,8 @@ class DynamicTree:
         return self.depth + 1
 
     def grow(self, expander: Expander, root: int, root_hidden: torch.Tensor) -> DraftTree:
-        return grow_dynamic(expander, root, root_hidden, self.top_k, self.depth, self.total_tokens, self.min_prob)
+        return grow_dynamic(expander, root, root_hidden, self.top_k, self.depth, self.total_tokens,
+                            self.min_prob or 0.0)
 
     def beside(self, context_nodes: int) -> DynamicTree | None:
         """The head's share of the round when the context's chains take `context_nodes` of its total_tokens - 1

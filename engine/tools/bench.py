@@ -182,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--total-tokens", type=int, help=f"dynamic tree nodes incl. root (default {tree.total_tokens})")
     add("--depth", type=int, help=f"dynamic tree expansion steps (default {tree.depth})")
     add("--draft-top-k", type=int, help=f"children per expanded node (default {tree.top_k})")
-    add("--min-prob", type=float, help=f"keep only drafts the head gives at least this probability (default "
-        f"{tree.min_prob})")
+    add("--min-prob", type=float, help="keep only drafts the head gives at least this probability (default: as much as "
+        "a verified row costs in plain steps, measured on this machine; 0 keeps every draft)")
     add("--no-suffix", dest="context", action="store_false",
         help="eagle drafts with the head alone, without the context's continuations")
     add("--fixed-chains", action="store_true",
