@@ -87,7 +87,8 @@ def test_json_schema_and_tau(assets, report):
     assert saved["config"]["compare_heads"] == {"e1": str(assets / "head1")}
     assert saved["config"]["packed"] is True  # the engine packs; hf and hf-pld ran on an unpacked copy
     for method, s in saved["summary"].items():
-        for key in ("tokens", "wall_s", "tokens_per_s", "tau", "draft_ms", "verify_ms", "other_ms", "matches_vanilla"):
+        for key in ("tokens", "wall_s", "tokens_per_s", "tau", "draft_ms", "verify_ms", "other_ms", "rows_per_round",
+                    "matches_vanilla"):
             assert key in s, (method, key)
         assert s["tokens"] == sum(len(q["results"][method]["token_ids"]) for q in saved["questions"])
         assert s["wall_s"] > 0 and s["tokens_per_s"] == pytest.approx(s["tokens"] / s["wall_s"])
@@ -99,6 +100,8 @@ def test_json_schema_and_tau(assets, report):
     assert saved["summary"]["vanilla"]["tau"] == 1.0 and saved["summary"]["vanilla"]["speedup_vs_vanilla"] == 1.0
     assert saved["summary"]["hf"]["tau"] == 1.0  # plain generate: one forward per token, counted by the hook
     assert saved["summary"]["eagle"]["draft_ms"] > 0 and saved["summary"]["hf"]["draft_ms"] is None
+    assert saved["summary"]["vanilla"]["rows_per_round"] == 1.0 and saved["summary"]["hf"]["rows_per_round"] is None
+    assert saved["summary"]["eagle"]["rows_per_round"] > 1 + saved["summary"]["eagle"]["accepted_per_round"] - 1e-9
     assert saved["summary"]["e1"]["draft_ms"] > 0  # the EAGLE-1 head drafted
     assert saved["summary"]["eagle-gated"]["draft_ms"] > 0  # its head drafted in the gate's first window at least
     assert saved["config"]["busy_cores"] == 0 and saved["config"]["busy_cores_measured"] is None

@@ -35,10 +35,11 @@ warm-up generation.
 tau = new tokens per decoding forward of the base model. The prefill forward and the token it produces are left
 out, so tau = (tokens - 1) / (forwards - 1), summed over questions: plain decoding gives exactly 1.0, and a
 speculative method's tau is its mean accepted length (accepted drafts + the base model's own token per round).
-Per-round times (draft, verify, other) are means over decoding rounds, prefill excluded.
+Per-round times (draft, verify, other) and rows/round (the tokens each verification forward scores, the root
+included: 1 for a plain step) are means over decoding rounds, prefill excluded.
 
 --json writes config, summary.<method> = {tokens, wall_s, tokens_per_s, tau, tau_by_category, rounds, draft_ms,
-verify_ms, other_ms, accepted_per_round, matches_vanilla, speedup_vs_vanilla} and questions[i] = {question_id, category,
+verify_ms, other_ms, accepted_per_round, rows_per_round, matches_vanilla, speedup_vs_vanilla} and questions[i] = {question_id, category,
 prompt_tokens, results.<method> = {token_ids, wall_s, target_forwards}}. At temperature 0 every method must
 reproduce vanilla's tokens exactly; a WARNING line says which did not. hf methods are held to that only in float32
 and the engine's dtype: transformers' own kernels round bf16/fp16 differently from the engine's (exact) ones.

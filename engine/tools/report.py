@@ -42,6 +42,7 @@ def summarize(runs: list[Run], baseline: list[Run] | None, categories: list[str]
         "verify_ms": _mean_ms([s.verify_s for s in rounds]),
         "other_ms": _mean_ms([s.wall_s - s.draft_s - s.verify_s for s in rounds]),
         "accepted_per_round": sum(s.accepted for s in rounds) / len(rounds) if rounds else None,
+        "rows_per_round": sum(1 + s.tree_size for s in rounds) / len(rounds) if rounds else None,
         "matches_vanilla": (
             sum(r.token_ids == b.token_ids for r, b in zip(runs, baseline)) if baseline is not None else None
         ),
@@ -72,13 +73,13 @@ def add_speedups(summary: dict) -> None:
 
 def print_table(summary: dict, questions: int, file: TextIO | None = None) -> None:
     """The summary as aligned columns on `file` (None: sys.stdout at call time), then tau by category if several."""
-    rows = [("method", "tokens", "wall s", "tok/s", "x vanilla", "tau", "acc/round",
+    rows = [("method", "tokens", "wall s", "tok/s", "x vanilla", "tau", "acc/round", "rows/round",
              "draft ms", "verify ms", "other ms", "= vanilla")]
     for method, s in summary.items():
         match = "-" if s["matches_vanilla"] is None else f"{s['matches_vanilla']}/{questions}"
         rows.append((method, str(s["tokens"]), _fmt(s["wall_s"], ".2f"), _fmt(s["tokens_per_s"], ".2f"),
                      _fmt(s.get("speedup_vs_vanilla"), ".2f"), _fmt(s["tau"], ".2f"),
-                     _fmt(s["accepted_per_round"], ".2f"),
+                     _fmt(s["accepted_per_round"], ".2f"), _fmt(s.get("rows_per_round"), ".2f"),
                      _fmt(s["draft_ms"], ".1f"), _fmt(s["verify_ms"], ".1f"), _fmt(s["other_ms"], ".1f"), match))
     _print_rows(rows, file)
     categories = list(next(iter(summary.values())).get("tau_by_category", {}))  # absent from older JSON reports
