@@ -311,7 +311,7 @@ class Engine:
 
     def _keep(self, ids: list[int], cache: GrowingCache, drafter: Drafter | None) -> None:
         if self.prefixes is not None:
-            if drafter is not None:  # slots the gate deferred: the head's cache then covers the whole prefix
+            if drafter is not None:  # the slots left to a next proposal: the head's cache then covers the prefix
                 drafter.catch_up()
             self.prefixes.put(Prefix(ids, cache, drafter.cache if drafter is not None and drafter.cache else None))
 
@@ -387,7 +387,7 @@ def freeze_heap() -> None:
 def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None, pack: bool, kernels: str) -> DraftHead:
     """Load a head for `model`; head_dtype None means bfloat16 for a packed head on a CPU with native bf16 beside
     float kernels, else the base model's dtype: beside q4 or int8 that is float32, which Engine quantizes (HEAD_KINDS) and
-    drafts with in one kernel call per layer (engine.draft.fused.FusedEagle3), without Python between its ops."""
+    drafts with in one kernel call a head run (engine.draft.fused.FusedEagle3), without Python between its ops."""
     on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
     if head_dtype is None and pack and on_cpu and bf16_native() and kernels not in GROUPED:
         head_dtype = "bfloat16"

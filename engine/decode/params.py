@@ -81,7 +81,7 @@ class DecodeParams:
         itself."""
         if not self.floors_at_row_cost:
             return self
-        return replace(self, tree=replace(self.tree, min_prob=min(max(row_cost, 0.0), MAX_FLOOR)))
+        return replace(self, tree=replace(self.tree, min_prob=min(row_cost, MAX_FLOOR)))
 
     @property
     def gated(self) -> bool:

@@ -39,10 +39,11 @@ Per-round times (draft, verify, other) and rows/round (the tokens each verificat
 included: 1 for a plain step) are means over decoding rounds, prefill excluded.
 
 --json writes config, summary.<method> = {tokens, wall_s, tokens_per_s, tau, tau_by_category, rounds, draft_ms,
-verify_ms, other_ms, accepted_per_round, rows_per_round, matches_vanilla, speedup_vs_vanilla} and questions[i] = {question_id, category,
-prompt_tokens, results.<method> = {token_ids, wall_s, target_forwards}}. At temperature 0 every method must
-reproduce vanilla's tokens exactly; a WARNING line says which did not. hf methods are held to that only in float32
-and the engine's dtype: transformers' own kernels round bf16/fp16 differently from the engine's (exact) ones.
+verify_ms, other_ms, accepted_per_round, rows_per_round, matches_vanilla, speedup_vs_vanilla} and questions[i] =
+{question_id, category, prompt_tokens, results.<method> = {token_ids, wall_s, target_forwards}}. At temperature 0
+every method must reproduce vanilla's tokens exactly; a WARNING line says which did not. hf methods are held to that
+only in float32 and the engine's dtype: transformers' own kernels round bf16/fp16 differently from the engine's
+(exact) ones.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
+from ..decode.costs import verification_curve
 from ..decode.params import DYNAMIC_TREE_OPTIONS, DecodeParams
 from ..decode.params import METHODS as ENGINE_METHODS
 from ..draft.checkpoint import DEFAULT_HEAD
@@ -70,7 +72,6 @@ from ..engine import Engine
 from ..model.load import DTYPES, auto_dtype, load_base
 from ..model.quant import GROUPED, gguf_file
 from ..options import LoadOptions
-from ..decode.costs import verification_curve
 from ..draft.export_gguf import cached_export
 from ..model.gguf_cache import cache_root
 from .llamacpp import EAGLE3_METHOD, Eagle3Draft, LlamaCpp, decode_tokens_per_s, eagle3_notes, eagle3_summary

@@ -102,7 +102,7 @@ MUTANTS = [
     Mutant("deferred-slots-dropped", "engine/draft/drafter.py",
            "        self._deferred.append((features, next_tokens))\n",
            "        if not defer:\n            self._deferred.append((features, next_tokens))\n",
-           (GATE, DRAFTER), "slots deferred while the head rests (gate, plain steps) are never caught up"),
+           (GATE, DRAFTER), "slots left to the next proposal (every round's, the gate's rests, plain steps) are never caught up"),
     Mutant("gate-prefers-slower", "engine/decode/gate.py", "        faster = ratio >= 1", "        faster = ratio < 1",
            (GATE,), "the head gate gives most windows to the slower arm"),
     Mutant("adapts-despite-seed", "engine/decode/params.py", "return self.sampling.greedy or self.seed is None",

@@ -212,6 +212,13 @@ std::optional<at::Tensor> optional(const at::Tensor& t) {
   return present(t) ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+// x through one projection's groups on the float kernels: 4-bit codes are Q4_1's (with mins), 8-bit ones Q8_0's.
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                        const std::optional<at::Tensor>& bias) {
+  return codes.scalar_type() == at::kByte ? q4_1_linear(x, codes, scales, mins, bias)
+                                          : q8_0_linear(x, codes, scales, bias);
+}
+
 // The projections `which` of a layer on input x, side by side as stacked ones give them: int8 layers in one call
 // (the input rounded once), float-activation ones (q4) each on its own kernel, then joined.
 at::Tensor project(const at::Tensor* w, std::initializer_list<int> which, const at::Tensor& x, bool int8) {
@@ -229,12 +236,7 @@ at::Tensor project(const at::Tensor* w, std::initializer_list<int> which, const 
     return int8_linears(x, layers, biases);
   }
   std::vector<at::Tensor> outs;
-  for (const int p : which) {
-    const at::Tensor &codes = part(p, 0), &scales = part(p, 1);
-    outs.push_back(codes.scalar_type() == at::kByte
-                       ? q4_1_linear(x, codes, scales, part(p, 2), optional(part(p, 5)))
-                       : q8_0_linear(x, codes, scales, optional(part(p, 5))));
-  }
+  for (const int p : which) outs.push_back(float_linear(x, part(p, 0), part(p, 1), part(p, 2), optional(part(p, 5))));
   return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
 }
 
@@ -316,7 +318,7 @@ at::Tensor linear_of(at::TensorList w, const at::Tensor& x, bool int8, int64_t f
   if (int8)
     return int8_linear(x, w[0], w[1], optional(w[2]), w.size() == 5 ? optional(w[3]) : std::nullopt,
                        w.size() == 5 ? optional(w[4]) : std::nullopt, std::nullopt, features);
-  return present(w[2]) ? q4_1_linear(x, w[0], w[1], w[2], std::nullopt) : q8_0_linear(x, w[0], w[1], std::nullopt);
+  return float_linear(x, w[0], w[1], w[2], std::nullopt);
 }
 
 // The head's token embeddings [1, T, H]: `embedding` is either the rows themselves or the base's int8 table as
@@ -367,7 +369,8 @@ std::vector<at::Tensor> eagle3_head(const at::Tensor& hidden, const at::Tensor& 
   const at::Tensor qkv = project(0, x);
   const int64_t qf = heads * head_dim;
   const at::Tensor at_positions = positions.reshape({-1});
-  const at::Tensor cos_rows = cos_table.index_select(0, at_positions), sin_rows = sin_table.index_select(0, at_positions);
+  const at::Tensor cos_rows = cos_table.index_select(0, at_positions);
+  const at::Tensor sin_rows = sin_table.index_select(0, at_positions);
   const at::Tensor q = rotated(qkv, 0, heads, head_dim, cos_rows, sin_rows);
   write_keys_values(qkv, qf, head_dim, cos_rows, sin_rows, keys, values, start);
   const at::Tensor seen_keys = keys.slice(2, 0, end), seen_values = values.slice(2, 0, end);
