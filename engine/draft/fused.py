@@ -10,17 +10,16 @@ from __future__ import annotations
 import torch
 
 from ..model.cache import GrowingLayer
-from ..model.fused import PROJECTIONS
-from ..model.quant import TILE, GroupedEmbedding, QuantLinear
+from ..model.fused import PROJECTIONS, layer_tensors, on_groups
+from ..model.quant import GroupedEmbedding, QuantLinear
 from .eagle3 import Eagle3Head
 
 KINDS = ("Q4_1", "Q8_0")  # the types of the head's linear layers the call takes
-MATMULS = (PROJECTIONS[:3], PROJECTIONS[3:4], PROJECTIONS[4:6], PROJECTIONS[6:])  # eagle3_head's, stacked
 
 
 class FusedEagle3:
-    """An EAGLE-3 head whose fc, layer projections and LM head are bias-free QuantLinears of Q4_1 or Q8_0 (a head on
-    grouped kernels), run as the head runs (DraftHead.forward, then Eagle3Head.logits for the last row) in one kernel
+    """An EAGLE-3 head whose layer's projections are QuantLinears of Q4_1 or Q8_0 and fc and LM head bias-free ones (a
+    head on grouped kernels), run as the head runs (DraftHead.forward, then Eagle3Head.logits for the last row) in one kernel
     call that writes the head's cache in place."""
 
     def __init__(self, head: Eagle3Head):
@@ -29,11 +28,11 @@ class FusedEagle3:
         self.kv_heads = layer.self_attn.kv_heads
         self._cos = self._sin = torch.empty(0, self.head_dim)
         self.eps = float(layer.input_layernorm.eps)
-        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
-        self.weights = [norm.weight for norm in norms]
-        for names in MATMULS:
-            codes, scales, *mins = stacked([layer.get_submodule(name) for name in names])
-            self.weights += [codes, scales, mins[0] if mins else torch.empty(0)]
+        # decoder_forward's norm slots: the input norm (here the token embeddings'), none after attention, the
+        # post-attention norm before the MLP, none after it, no q or k norms
+        self.layer = layer_tensors([layer.input_layernorm.weight, None, layer.post_attention_layernorm.weight,
+                                    None, None, None], layer)
+        self.hidden_norm = layer.hidden_norm.weight
         self.int8 = layer.self_attn.q_proj.int8
         self.fc = linear_tensors(head.fc)
         self.lm_head = [head.norm.weight, *linear_tensors(head.lm_head)]
@@ -47,8 +46,9 @@ class FusedEagle3:
         if not isinstance(head, Eagle3Head) or head.midlayer.norm_before_residual:
             return None
         projections = [head.midlayer.get_submodule(name) for name in PROJECTIONS]
-        kind = getattr(projections[0], "kind", None)
-        if kind not in KINDS or not stackable(projections, kind) or head.norm.eps != head.midlayer.input_layernorm.eps:
+        if not on_groups([head.midlayer]) or any(p.kind not in KINDS for p in projections):
+            return None
+        if head.norm.eps != head.midlayer.input_layernorm.eps:
             return None
         ends = (head.fc, head.lm_head)  # each a bias-free QuantLinear on the layer's kernels
         return cls(head) if all(isinstance(end, QuantLinear) and end.kind in KINDS and end.bias is None and
@@ -67,8 +67,8 @@ class FusedEagle3:
         keys, values = layer.reserve(start + rows, like, like)
         embedding = self.table or [self.head.embed(token_ids)]
         out, last = torch.ops.eagle_cpu.eagle3_head(
-            hidden.float(), token_ids, positions, self._cos, self._sin, keys, values, start, mask, self.weights,
-            self.fc if from_target else [], embedding, self.lm_head if logits else [], self.vocab,
+            hidden.float(), token_ids, positions, self._cos, self._sin, keys, values, start, mask, self.layer,
+            self.hidden_norm, self.fc if from_target else [], embedding, self.lm_head if logits else [], self.vocab,
             self.head.lm_head.out_features, self.heads, self.head_dim, self.eps, self.int8)
         return out, last if logits else None
 
@@ -98,27 +98,3 @@ def embedding_tensors(table: torch.nn.Module) -> list[torch.Tensor]:
         return []
     scale = torch.empty(0) if table.scale is None else table.scale
     return [*linear_tensors(table.table), scale]
-
-
-def stackable(modules: list, kind: str) -> bool:
-    """Bias-free QuantLinears of `kind`, all int8 or none; int8 ones in whole tiles, so that stacking keeps every
-    projection's features where the kernel call's output puts them."""
-    if not all(isinstance(m, QuantLinear) and m.kind == kind and m.bias is None for m in modules):
-        return False
-    return len({m.int8 for m in modules}) == 1 and not (modules[0].int8 and any(m.out_features % TILE for m in modules))
-
-
-def stacked(projections: list[QuantLinear]) -> list[torch.Tensor]:
-    """The groups of projections that take the same input (codes, scales and, for Q4_1, mins), stacked by output
-    feature; the projections' own buffers become views of them, so the weights are held once."""
-    parts = ("codes", "scales", "mins") if projections[0].kind == "Q4_1" else ("codes", "scales")
-    if len(projections) == 1:
-        return [getattr(projections[0], part) for part in parts]
-    merged = [torch.cat([getattr(p, part) for p in projections]) for part in parts]
-    start = 0
-    for projection in projections:  # by features, or by tiles of them on int8 kernels: the buffers' first dimension
-        end = start + len(projection.codes)
-        for part, tensor in zip(parts, merged):
-            setattr(projection, part, tensor[start:end])
-        start = end
-    return merged

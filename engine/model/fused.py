@@ -83,17 +83,10 @@ class FusedDecoder:
         return (1.0 + weight) if self.family.plus_one else weight.contiguous()
 
     def _layer_tensors(self, layer: torch.nn.Module) -> list[torch.Tensor]:
-        """decoder_forward's tensors for one layer: its four norms and q and k norms, then each projection's groups
-        and bias (empty tensors where it has none)."""
+        """decoder_forward's tensors for one layer: its four norms and q and k norms, then its projections'."""
         norms = [getattr(layer, name) if name else None for name in self.family.norms]
         norms += [getattr(layer.self_attn, name, None) for name in ("q_norm", "k_norm")]
-        tensors = [self._norm_weight(norm) for norm in norms]
-        empty = torch.empty(0)
-        for name in PROJECTIONS:
-            projection = layer.get_submodule(name)
-            parts = (projection.mins, projection.block_scales, projection.block_mins, projection.bias)
-            tensors += [projection.codes, projection.scales, *(empty if t is None else t for t in parts)]
-        return tensors
+        return layer_tensors([self._norm_weight(norm) for norm in norms], layer)
 
     @torch.inference_mode()
     def forward(
@@ -121,6 +114,18 @@ class FusedDecoder:
         for layer in layers:
             layer.length = start + rows
         return hidden, features
+
+
+def layer_tensors(norms: list[torch.Tensor | None], layer: torch.nn.Module) -> list[torch.Tensor]:
+    """A layer as decoder_forward (and eagle3_head) take it: the weights of its six norms as the kernel multiplies by
+    them (None or empty: no norm there), then each projection's groups and bias (empty tensors where absent)."""
+    empty = torch.empty(0)
+    tensors = [empty if norm is None else norm for norm in norms]
+    for name in PROJECTIONS:
+        projection = layer.get_submodule(name)
+        parts = (projection.mins, projection.block_scales, projection.block_mins, projection.bias)
+        tensors += [projection.codes, projection.scales, *(empty if t is None else t for t in parts)]
+    return tensors
 
 
 def sliding_window(model: PreTrainedModel) -> int | None:
@@ -163,7 +168,7 @@ def why_not_fused(model: PreTrainedModel) -> str | None:
         (lambda: not getattr(config, "mlp_bias", False), "MLP biases"),
         (lambda: getattr(config, "attn_logit_softcapping", None) is None, "attention logit softcapping"),
         (lambda: not getattr(config, "use_bidirectional_attention", False), "bidirectional attention"),
-        (lambda: bool(layers) and _on_groups(layers), "layers not all on grouped layers of one kernel"),
+        (lambda: bool(layers) and on_groups(layers), "layers not all on grouped layers of one kernel"),
         (lambda: _norms_of(layers, family), f"norms other than {family.norm_class if family else ''}"),
         (lambda: model.dtype == torch.float32, f"{model.dtype} weights"),
         (kernels.available, "engine/model/kernels unavailable"),
@@ -171,7 +176,7 @@ def why_not_fused(model: PreTrainedModel) -> str | None:
     return next((reason for holds, reason in checks if not holds()), None)
 
 
-def _on_groups(layers) -> bool:
+def on_groups(layers) -> bool:
     """Every projection a QuantLinear, all on the same kernel (int8 or not), int8 ones in whole tiles so that each
     projection's features sit where the kernel call's output puts them."""
     modules = [layer.get_submodule(name) for layer in layers for name in PROJECTIONS]

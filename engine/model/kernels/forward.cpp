@@ -305,9 +305,6 @@ std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::
   return out;
 }
 
-constexpr int64_t HEAD_TENSORS = 3 + 4 * 3;  // three norms; codes, scales and mins (Q4_1; empty for Q8_0) of q, k
-                                             // and v stacked, o, gate and up stacked, down
-
 namespace {
 
 // x through a linear layer of `features` outputs given as [codes, scales, mins] or [codes, scales, mins, block scales,
@@ -341,32 +338,30 @@ at::Tensor embeddings_of(at::TensorList embedding, const at::Tensor& token_ids, 
 // positions [T], rows of the rotary tables cos_table, sin_table [P, head_dim]; keys and values: the head's float32
 // cache buffers [1, Hkv, capacity, head_dim], this call's keys and values written at `start` and attention reading
 // positions [0, start + T) in place (no copy of the cache); mask bool [1, 1, T, start + T], absent: every cached
-// position and the new ones causally; weights: input norm, hidden norm, post-attention norm, then the groups of each
-// matmul (each output feature computed as in its own projection); fc: [] or a linear (linear_of); embedding: see
-// embeddings_of (vocab: the table's rows); lm_head: [] or the final norm's weight and a linear of draft_vocab
-// outputs.
+// position and the new ones causally; layer: LAYER_TENSORS tensors as decoder_forward takes a layer's (the input
+// norm, normed the token embeddings here, at INPUT and the post-attention norm at PRE_MLP), hidden_norm: the norm of
+// the hidden states beside them; fc: [] or a linear (linear_of); embedding: see embeddings_of (vocab: the table's
+// rows); lm_head: [] or the final norm's weight and a linear of draft_vocab outputs.
 // Returns the layer's output [1, T, H] and, with lm_head, the draft logits of its last row [V_draft] (else empty).
 std::vector<at::Tensor> eagle3_head(const at::Tensor& hidden, const at::Tensor& token_ids, const at::Tensor& positions,
                                     const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& keys,
                                     const at::Tensor& values, int64_t start, const std::optional<at::Tensor>& mask,
-                                    at::TensorList weights, at::TensorList fc, at::TensorList embedding,
-                                    at::TensorList lm_head, int64_t vocab, int64_t draft_vocab, int64_t heads,
-                                    int64_t head_dim, double eps, bool int8) {
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == HEAD_TENSORS, "eagle3_head: ", HEAD_TENSORS,
-              " weight tensors, got ", weights.size());
+                                    at::TensorList layer, const at::Tensor& hidden_norm, at::TensorList fc,
+                                    at::TensorList embedding, at::TensorList lm_head, int64_t vocab,
+                                    int64_t draft_vocab, int64_t heads, int64_t head_dim, double eps, bool int8) {
+  TORCH_CHECK(static_cast<int64_t>(layer.size()) == LAYER_TENSORS, "eagle3_head: ", LAYER_TENSORS,
+              " tensors of the layer, got ", layer.size());
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 3 && hidden.size(0) == 1,
               "eagle3_head takes float32 hidden states [1, T, F]");
   const int64_t rows = hidden.size(1), end = start + rows;
   TORCH_CHECK(token_ids.numel() == rows && positions.numel() == rows, "eagle3_head: a token and a position a row");
   TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.dim() == 4 && keys.size(2) >= end,
               "eagle3_head: float32 cache buffers with room for ", end, " positions");
-  const auto project = [&](int which, const at::Tensor& x) {  // stacked projections come in whole tiles
-    return linear_of(weights.slice(3 + 3 * which, 3), x, int8, weights[4 + 3 * which].size(0) * LANES);
-  };
-  const at::Tensor h = fc.empty() ? hidden : linear_of(fc, hidden, int8, weights[1].numel());
+  const at::Tensor* w = layer.data();
+  const at::Tensor h = fc.empty() ? hidden : linear_of(fc, hidden, int8, hidden_norm.numel());
   const at::Tensor embeds = embeddings_of(embedding, token_ids.reshape({-1}), vocab);
-  const at::Tensor x = at::cat({rms_norm(embeds, weights[0], eps), rms_norm(h, weights[1], eps)}, -1);
-  const at::Tensor qkv = project(0, x);
+  const at::Tensor x = at::cat({rms_norm(embeds, w[INPUT], eps), rms_norm(h, hidden_norm, eps)}, -1);
+  const at::Tensor qkv = project(w, {Q, K, V}, x, int8);
   const int64_t qf = heads * head_dim;
   const at::Tensor at_positions = positions.reshape({-1});
   const at::Tensor cos_rows = cos_table.index_select(0, at_positions);
@@ -391,8 +386,9 @@ std::vector<at::Tensor> eagle3_head(const at::Tensor& hidden, const at::Tensor& 
     const at::Tensor repeated = visible.unsqueeze(2).expand({-1, -1, groups, -1, -1}).flatten(2, 3);
     attended = at::scaled_dot_product_attention(grouped, seen_keys, seen_values, repeated).view({1, heads, rows, head_dim});
   }
-  const at::Tensor after = h + project(1, attended.transpose(1, 2).reshape({1, rows, -1}));
-  const at::Tensor out = after + project(3, gated(project(2, rms_norm(after, weights[2], eps)), false));
+  const at::Tensor after = h + project(w, {O}, attended.transpose(1, 2).reshape({1, rows, -1}), int8);
+  const at::Tensor out =
+      after + project(w, {DOWN}, gated(project(w, {GATE, UP}, rms_norm(after, w[PRE_MLP], eps), int8), false), int8);
   if (lm_head.empty()) return {out, at::Tensor()};
   TORCH_CHECK(lm_head.size() == 6, "eagle3_head: the LM head is the final norm's weight and a linear");
   const at::Tensor last = out.narrow(1, rows - 1, 1);

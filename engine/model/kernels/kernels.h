@@ -252,8 +252,8 @@ std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::
 std::vector<at::Tensor> eagle3_head(const at::Tensor& hidden, const at::Tensor& token_ids, const at::Tensor& positions,
                                     const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& keys,
                                     const at::Tensor& values, int64_t start, const std::optional<at::Tensor>& mask,
-                                    at::TensorList weights, at::TensorList fc, at::TensorList embedding,
-                                    at::TensorList lm_head, int64_t vocab, int64_t draft_vocab, int64_t heads,
-                                    int64_t head_dim, double eps, bool int8);
+                                    at::TensorList layer, const at::Tensor& hidden_norm, at::TensorList fc,
+                                    at::TensorList embedding, at::TensorList lm_head, int64_t vocab,
+                                    int64_t draft_vocab, int64_t heads, int64_t head_dim, double eps, bool int8);
 
 }  // namespace eagle_cpu

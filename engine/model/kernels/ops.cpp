@@ -58,7 +58,7 @@ TORCH_LIBRARY(eagle_cpu, m) {
         "Tensor final_norm, int start, int head_dim, float eps, float scale, int[] capture, bool int8, "
         "int[] sliding, bool gelu) -> Tensor[]");
   m.def("eagle3_head(Tensor hidden, Tensor token_ids, Tensor positions, Tensor cos_table, Tensor sin_table, "
-        "Tensor(a!) keys, Tensor(b!) values, int start, Tensor? mask, Tensor[] weights, Tensor[] fc, "
+        "Tensor(a!) keys, Tensor(b!) values, int start, Tensor? mask, Tensor[] layer, Tensor hidden_norm, Tensor[] fc, "
         "Tensor[] embedding, Tensor[] lm_head, int vocab, int draft_vocab, int heads, int head_dim, float eps, "
         "bool int8) -> Tensor[]");
 }
