@@ -58,29 +58,36 @@ __attribute__((always_inline)) inline void prefetch(const void* p, int64_t bytes
 }
 
 // Score = hsum of one 8-lane accumulator over the head dimension in order, * scale + mask, for Q query heads that
-// share a key/value head, over `count` of a row's visible keys (four keys side by side: 4 Q independent FMA chains,
-// their hsums four at a time; the last count % 4 one at a time). A key's score is the same sequence whichever of
-// the two ways it takes, and which one depends only on its place among the row's visible keys.
+// share a key/value head, over `count` of a row's visible keys (KEYS keys side by side: Q * KEYS independent FMA
+// chains, their hsums four at a time; the last count % KEYS one at a time). A key's score is the same sequence
+// whichever of the two ways it takes. KEYS is 3 for three heads, so that the accumulators, the keys and a query fit
+// AVX2's 16 registers (four keys spilled an accumulator to the stack, a store and a load on its chain each step).
 template <int Q, typename T>
 void score_keys(const Heads<T>& k, int64_t b, int64_t g, int64_t dim, const int64_t* keys, const float* masks,
                 int64_t count, const float* const* queries, float scale, float* const* weights, bool fetch) {
+  constexpr int KEYS = Q == 3 ? 3 : 4;
   int64_t j = 0;
-  for (; j + 4 <= count; j += 4) {
-    const T* key[4];
-    for (int t = 0; t < 4; ++t) key[t] = k.at(b, g, keys[j + t]);
-    if (fetch && j + 32 < count) prefetch(k.at(b, g, keys[j + 32]), 4 * dim * sizeof(T));
-    __m256 acc[Q][4];
+  for (; j + KEYS <= count; j += KEYS) {
+    const T* key[KEYS];
+    for (int t = 0; t < KEYS; ++t) key[t] = k.at(b, g, keys[j + t]);
+    if (fetch && j + 32 < count) prefetch(k.at(b, g, keys[j + 32]), KEYS * dim * sizeof(T));
+    __m256 acc[Q][KEYS];
     for (int h = 0; h < Q; ++h)
-      for (int t = 0; t < 4; ++t) acc[h][t] = _mm256_setzero_ps();
+      for (int t = 0; t < KEYS; ++t) acc[h][t] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8)
       for (int h = 0; h < Q; ++h) {
         const __m256 qv = _mm256_loadu_ps(queries[h] + d);
-        for (int t = 0; t < 4; ++t) acc[h][t] = _mm256_fmadd_ps(qv, load8(key[t] + d), acc[h][t]);
+        for (int t = 0; t < KEYS; ++t) acc[h][t] = _mm256_fmadd_ps(qv, load8(key[t] + d), acc[h][t]);
       }
-    const __m128 bias = _mm_loadu_ps(masks + j);
     for (int h = 0; h < Q; ++h) {
-      const __m128 sums = hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-      _mm_storeu_ps(weights[h] + j, _mm_add_ps(_mm_mul_ps(sums, _mm_set1_ps(scale)), bias));
+      const __m128 sums = hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][KEYS - 1]);
+      if constexpr (KEYS == 4) {
+        _mm_storeu_ps(weights[h] + j, _mm_add_ps(_mm_mul_ps(sums, _mm_set1_ps(scale)), _mm_loadu_ps(masks + j)));
+      } else {
+        float each[4];
+        _mm_storeu_ps(each, sums);
+        for (int t = 0; t < KEYS; ++t) weights[h][j + t] = each[t] * scale + masks[j + t];
+      }
     }
   }
   for (; j < count; ++j) {
@@ -261,7 +268,8 @@ struct Block {
     int64_t longest = 0;
     for (int64_t r = first; r < last; ++r) longest = std::max(longest, visible[r].count());
     const int64_t stretches = std::max<int64_t>(1, (longest + stretch - 1) / stretch);
-    const int64_t length = (longest + stretches - 1) / stretches / 8 * 8 + 8;  // a multiple of 4: see score_keys
+    // a multiple of 24, so that a stretch leaves no keys to score one at a time (score_keys takes 3, 4 or 8 at once)
+    const int64_t length = (longest + stretches - 1) / stretches / 24 * 24 + 24;
     at::parallel_for(0, kv_heads * parts() * stretches, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t s = task % stretches, part = task / stretches % parts(), g = task / stretches / parts();
