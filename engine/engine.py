@@ -312,7 +312,7 @@ class Engine:
     def _keep(self, ids: list[int], cache: GrowingCache, drafter: Drafter | None) -> None:
         if self.prefixes is not None:
             if drafter is not None:  # the slots left to a next proposal: the head's cache then covers the prefix
-                drafter.catch_up()
+                drafter.catch_up(logits=False)
             self.prefixes.put(Prefix(ids, cache, drafter.cache if drafter is not None and drafter.cache else None))
 
     def chat(self, messages: list[dict], params: DecodeParams | None = None, **options) -> Iterator[Step]:

@@ -19,14 +19,10 @@ import torch
 
 from ..model.cache import truncate
 from ..model.gguf_cache import cache_root
+from ..model.placement import wait_for
 from ..model.quant import QuantLinear
 from ..model.target import Target
 from ..draft.tree import DraftTree
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def verification_curve(
@@ -53,11 +49,11 @@ def verification_curve(
             args = (cache_tokens + tree.depths, visible)
         times = []
         for _ in range(repeats + 1):  # the first run warms up kernels for this shape
-            _sync(target.device)
+            wait_for(target.device)
             start = time.perf_counter()
             hidden, _ = target.forward(ids, cache, *args)
             target.logits(hidden)
-            _sync(target.device)
+            wait_for(target.device)
             times.append(time.perf_counter() - start)
             truncate(cache, cache_tokens)
         return 1000 * statistics.median(times[1:])

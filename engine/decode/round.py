@@ -18,6 +18,7 @@ from ..draft.corpus import CorpusIndex
 from ..draft.drafter import Drafter
 from ..draft.tree import DraftTree, graft
 from ..model.cache import keep_path
+from ..model.placement import wait_for
 from ..model.target import Target
 from .accept import Sampling, accept_greedy, accept_sampling
 from .params import DecodeParams
@@ -118,8 +119,7 @@ def verify(target: Target, tree: DraftTree, seq: Sequence) -> Verification:
         visible = torch.cat([torch.ones(len(tree), seq.cached, dtype=torch.bool), tree.ancestor_mask()], dim=1)
         hidden, features = target.forward(tree.tokens, seq.cache, seq.cached + tree.depths, visible)
     logits = target.logits(hidden)
-    if logits.is_cuda:  # acceptance waits for the GPU anyway; waiting here makes the time the forward's own
-        torch.cuda.synchronize(logits.device)
+    wait_for(logits.device)  # acceptance waits for a GPU anyway; waiting here makes the time the forward's own
     return Verification(tree, logits, features, time.perf_counter() - start)
 
 

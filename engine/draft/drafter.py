@@ -75,8 +75,9 @@ class Drafter:
             self.catch_up()
 
     @torch.inference_mode()
-    def catch_up(self) -> None:
-        """Run the head over the deferred slots, if any."""
+    def catch_up(self, logits: bool = True) -> None:
+        """Run the head over the deferred slots, if any. logits: also the last slot's draft logits, which the next
+        proposal's root reads (an answer's end keeps only the cache)."""
         if not self._deferred:
             return
         if len(self._deferred) == 1:
@@ -89,7 +90,7 @@ class Drafter:
         positions = torch.arange(n, n + t, device=self.device)
         out, self._last_logits = self._run(features[None].to(self.device),
                                            next_tokens[None].to(self.device, non_blocking=True), positions, None,
-                                           True, n, logits=True)
+                                           True, n, logits=logits)
         for layer in self.cache:
             layer.length = n + t
         self._fed = 0

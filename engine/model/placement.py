@@ -22,6 +22,12 @@ QUANTIZED_BYTES = {"8bit": 1.0, "4bit": 0.5 + 1 / 64}
 HEADROOM = 0.15  # share of each GPU's free memory left for the KV cache, activations and the CUDA context
 
 
+def wait_for(device: torch.device) -> None:
+    """Wait for the work queued on a GPU, so that a timer read next measures it (the CPU runs each op to its end)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _even_shares(total: float, budgets: dict[Device, int]) -> dict[Device, float]:
     """Equal loads, except that a device never gets more than its budget (the rest spills onto the others)."""
     shares, left, open_ = {}, float(total), sorted(budgets, key=budgets.get)

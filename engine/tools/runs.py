@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from ..engine import Engine
 from ..decode.round import Step
 from ..decode.params import DecodeParams
+from ..model.placement import wait_for
 
 PROMPT_LOOKUP_TOKENS = 10
 SHARED_QUESTIONS = Path(__file__).resolve().parents[3] / "shared" / "bench" / "mt_bench.jsonl"
@@ -114,8 +115,7 @@ def run_hf(engine: Engine, model: PreTrainedModel, prompt: list[int], params: De
     with count_forwards(model.get_decoder()) as calls, torch.inference_mode():
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        if out.is_cuda:  # kernels may still be queued; the engine's Steps hold Python ints, so they are done
-            torch.cuda.synchronize(out.device)
+        wait_for(out.device)  # kernels may still be queued; the engine's Steps hold Python ints, so they are done
         wall = time.perf_counter() - start
     tokens = out[0, len(prompt):].tolist()[: params.max_new_tokens]
     stop = next((i for i, tok in enumerate(tokens) if tok in engine.stop_ids), None)
