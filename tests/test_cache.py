@@ -79,7 +79,7 @@ def test_keep_path_keeps_the_prefix_and_the_path_in_order():
     layer.update(keys, values)
     cache = kv_cache.GrowingCache()
     cache.layers.append(layer)
-    keep_path(cache, 10, torch.tensor([0, 2, 5]))
+    keep_path(cache, 10, [0, 2, 5])
     rows = [*range(10), 10, 12, 15]
     assert torch.equal(layer.keys, keys[..., rows, :]) and torch.equal(layer.values, values[..., rows, :])
     more_keys, more_values = random_states(4, 1)
@@ -96,7 +96,7 @@ def test_a_path_already_in_place_or_not_leaves_the_same_cache(path):
     layer.update(keys, values)
     cache = kv_cache.GrowingCache()
     cache.layers.append(layer)
-    keep_path(cache, 10, torch.tensor(path))
+    keep_path(cache, 10, path)
     rows = [*range(10), *(10 + node for node in path)]
     assert layer.length == len(rows)
     assert torch.equal(layer.keys, keys[..., rows, :]) and torch.equal(layer.values, values[..., rows, :])
@@ -108,7 +108,7 @@ def test_compacting_another_cache_is_refused():
     cache = DynamicCache()
     cache.update(*random_states(4, 0), layer_idx=0)
     with pytest.raises(TypeError, match="needs a GrowingCache"):
-        keep_path(cache, 2, torch.tensor([0]))
+        keep_path(cache, 2, [0])
 
 
 @pytest.mark.parametrize("kernel_choice,pack,cached", [

@@ -17,7 +17,7 @@ from ..draft.context import ChainAcceptance, ContextIndex
 from ..draft.corpus import CorpusIndex
 from ..draft.drafter import Drafter
 from ..draft.tree import DraftTree, graft
-from ..model.cache import keep_path
+from ..model.cache import in_place, keep_path
 from ..model.placement import wait_for
 from ..model.target import Target
 from .accept import Sampling, accept_greedy, accept_sampling
@@ -89,7 +89,8 @@ class Acceptance:
 
     def tokens(self, tree: DraftTree) -> list[int]:
         """What the round commits: the accepted drafts, then the bonus token."""
-        return tree.tokens[self.path[1:]].tolist() + [self.bonus]
+        drafts = tree.tokens.tolist()
+        return [drafts[node] for node in self.path[1:]] + [self.bonus]
 
 
 def context_chains(seq: Sequence, params: DecodeParams) -> tuple[list[list[int]], int]:
@@ -134,15 +135,20 @@ def commit(seq: Sequence, drafter: Drafter | None, verification: Verification, a
     index; returns the new tokens. The drafter runs the new slots when it next drafts: a round whose tree the
     context's chains fill needs no head, and the slots of several rounds then go through the head in one call, a few
     rows costing about what one does."""
-    path = torch.tensor(acceptance.path)
-    keep_path(seq.cache, seq.cached, path)
+    keep_path(seq.cache, seq.cached, acceptance.path)
     tokens = acceptance.tokens(verification.tree)
     if drafter is not None:
-        features = verification.features[path.to(verification.features.device, non_blocking=True)]
-        drafter.commit(features, torch.tensor(tokens), defer=True)
+        drafter.commit(path_rows(verification.features, acceptance.path), torch.tensor(tokens), defer=True)
     seq.remember(tokens)
     seq.root = acceptance.bonus
     return tokens
+
+
+def path_rows(rows: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """rows[path], a view where the path is in place."""
+    if in_place(path):
+        return rows[: len(path)]
+    return rows[torch.tensor(path, device=rows.device)]
 
 
 def speculative_round(
@@ -162,6 +168,6 @@ def speculative_round(
     if seq.acceptance is not None and chains and match:
         seq.acceptance.observe(match, chains[0], tokens)
     draft_s = (drafted - start) + (time.perf_counter() - committing)  # the drafter's catch-up is drafting work
+    from_context = path_rows(tree.from_context, acceptance.path)[1:].tolist() + [False]
     return Step(tokens, [True] * (len(tokens) - 1) + [False], draft_s=draft_s, verify_s=verification.seconds,
-                tree_size=len(tree) - 1, from_context=tree.from_context[acceptance.path[1:]].tolist() + [False],
-                with_head=head and drafter is not None)
+                tree_size=len(tree) - 1, from_context=from_context, with_head=head and drafter is not None)

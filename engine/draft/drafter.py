@@ -66,7 +66,6 @@ class Drafter:
             layer.write(start, keys, values)
         return out, None
 
-    @torch.inference_mode()
     def commit(self, features: torch.Tensor, next_tokens: torch.Tensor, defer: bool = False) -> None:
         """Append slots (features[i], next_tokens[i]); keep the head's output at the last one for the next tree.
         defer: only remember them, for the next commit or proposal to run."""

@@ -113,18 +113,24 @@ class GrowingCache(Cache):
         super().__init__(layer_class_to_replicate=functools.partial(GrowingLayer, kv_dtype=kv_dtype))
 
 
+def in_place(path: list[int]) -> bool:
+    """Whether a tree path is the tree's first nodes in order (the root alone, or a chain's accepted part): kept
+    where it was written."""
+    return path == list(range(len(path)))
+
+
 @torch.inference_mode()
-def keep_path(cache: GrowingCache, prefix_len: int, path: torch.Tensor) -> None:
+def keep_path(cache: GrowingCache, prefix_len: int, path: list[int]) -> None:
     """Keep positions [0, prefix_len) plus the tree nodes `path` (indices relative to prefix_len), in order.
 
     The tree was appended at prefix_len; moving the accepted nodes into place avoids re-running the prefix.
     """
     layers = _growing_layers(cache)
-    if torch.equal(path.cpu(), torch.arange(len(path))):  # already in place: often the root alone
+    if in_place(path):
         for layer in layers:
             layer.length = prefix_len + len(path)
         return
-    keep = path.to(torch.long) + prefix_len
+    keep = torch.tensor(path) + prefix_len
     on_device: dict[torch.device, torch.Tensor] = {}
     for layer in layers:
         if layer.device not in on_device:
