@@ -61,7 +61,7 @@ __attribute__((always_inline)) inline void prefetch(const void* p, int64_t bytes
 // share a key/value head, over `count` of a row's visible keys (KEYS keys side by side: Q * KEYS independent FMA
 // chains, their hsums four at a time; the last count % KEYS one at a time). A key's score is the same sequence
 // whichever of the two ways it takes. KEYS is 3 for three heads, so that the accumulators, the keys and a query fit
-// AVX2's 16 registers (four keys spilled an accumulator to the stack, a store and a load on its chain each step).
+// AVX2's 16 registers (four would spill an accumulator to the stack: a store and a load on its chain each step).
 template <int Q, typename T>
 void score_keys(const Heads<T>& k, int64_t b, int64_t g, int64_t dim, const int64_t* keys, const float* masks,
                 int64_t count, const float* const* queries, float scale, float* const* weights, bool fetch) {
