@@ -19,8 +19,8 @@ KINDS = ("Q4_1", "Q8_0")  # the types of the head's linear layers the call takes
 
 class FusedEagle3:
     """An EAGLE-3 head whose layer's projections are QuantLinears of Q4_1 or Q8_0 and fc and LM head bias-free ones (a
-    head on grouped kernels), run as the head runs (DraftHead.forward, then Eagle3Head.logits for the last row) in one kernel
-    call that writes the head's cache in place."""
+    head on grouped kernels), run as the head runs (DraftHead.forward, then Eagle3Head.logits for the last row) in one
+    kernel call that writes the head's cache in place."""
 
     def __init__(self, head: Eagle3Head):
         self.head, layer = head, head.midlayer
