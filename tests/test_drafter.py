@@ -1,6 +1,6 @@
 """The drafter's catch-up: a round leaves its slots to the next proposal, and once caught up the drafter's cache
-holds exactly what committing the accepted text's true features from scratch builds. Feeding it the wrong tree nodes' features, or none, only
-makes drafts worse, which greedy equality cannot see; this can."""
+holds exactly what committing the accepted text's true features from scratch builds. Feeding it the wrong tree
+nodes' features, or none, only makes drafts worse, which greedy equality cannot see; this can."""
 import pytest
 
 from conftest import assert_drafter_holds, tiny_engine

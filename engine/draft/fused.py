@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..model.cache import GrowingLayer
-from ..model.fused import PROJECTIONS, layer_tensors, on_groups
+from ..model.fused import PROJECTIONS, layer_tensors, linear_tensors, on_groups
 from ..model.quant import GroupedEmbedding, QuantLinear
 from .eagle3 import Eagle3Head
 
@@ -82,13 +82,6 @@ class FusedEagle3:
         seen so far (every row the bits computing it alone gives: the same elementwise ops)."""
         if positions > len(self._cos):
             self._cos, self._sin = self.head.rope(torch.arange(max(positions, 2 * len(self._cos), 256)))
-
-
-def linear_tensors(linear: QuantLinear) -> list[torch.Tensor]:
-    """A QuantLinear as eagle3_head takes a linear layer: codes, scales, mins, block scales, block mins (empty where
-    absent)."""
-    parts = (linear.codes, linear.scales, linear.mins, linear.block_scales, linear.block_mins)
-    return [torch.empty(0) if part is None else part for part in parts]
 
 
 def embedding_tensors(table: torch.nn.Module) -> list[torch.Tensor]:

@@ -119,13 +119,18 @@ class FusedDecoder:
 def layer_tensors(norms: list[torch.Tensor | None], layer: torch.nn.Module) -> list[torch.Tensor]:
     """A layer as decoder_forward (and eagle3_head) take it: the weights of its six norms as the kernel multiplies by
     them (None or empty: no norm there), then each projection's groups and bias (empty tensors where absent)."""
-    empty = torch.empty(0)
-    tensors = [empty if norm is None else norm for norm in norms]
+    tensors = [torch.empty(0) if norm is None else norm for norm in norms]
     for name in PROJECTIONS:
         projection = layer.get_submodule(name)
-        parts = (projection.mins, projection.block_scales, projection.block_mins, projection.bias)
-        tensors += [projection.codes, projection.scales, *(empty if t is None else t for t in parts)]
+        tensors += linear_tensors(projection) + [torch.empty(0) if projection.bias is None else projection.bias]
     return tensors
+
+
+def linear_tensors(linear: QuantLinear) -> list[torch.Tensor]:
+    """A QuantLinear's groups as the kernels take a linear layer: codes, scales, mins, block scales, block mins
+    (empty tensors where absent)."""
+    parts = (linear.codes, linear.scales, linear.mins, linear.block_scales, linear.block_mins)
+    return [torch.empty(0) if part is None else part for part in parts]
 
 
 def sliding_window(model: PreTrainedModel) -> int | None:

@@ -307,14 +307,12 @@ std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::
 
 namespace {
 
-// x through a linear layer of `features` outputs given as [codes, scales, mins] or [codes, scales, mins, block scales,
-// block mins] (empty where absent), as its QuantLinear computes it: on the int8 layout or on the float kernels' Q4_1
-// or Q8_0 groups.
+// x through a linear layer of `features` outputs given as [codes, scales, mins, block scales, block mins] (empty
+// where absent), as its QuantLinear computes it: on the int8 layout or on the float kernels' Q4_1 or Q8_0 groups.
 at::Tensor linear_of(at::TensorList w, const at::Tensor& x, bool int8, int64_t features) {
-  TORCH_CHECK(w.size() == 3 || w.size() == 5, "a linear layer is codes, scales, mins (and block scales and mins)");
+  TORCH_CHECK(w.size() == 5, "a linear layer is codes, scales, mins, block scales and block mins");
   if (int8)
-    return int8_linear(x, w[0], w[1], optional(w[2]), w.size() == 5 ? optional(w[3]) : std::nullopt,
-                       w.size() == 5 ? optional(w[4]) : std::nullopt, std::nullopt, features);
+    return int8_linear(x, w[0], w[1], optional(w[2]), optional(w[3]), optional(w[4]), std::nullopt, features);
   return float_linear(x, w[0], w[1], w[2], std::nullopt);
 }
 
