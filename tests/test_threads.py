@@ -129,8 +129,8 @@ def _others_cpu_seconds() -> float:
 
 @pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
 def test_the_engines_own_kernels_share_their_work_with_torchs_threads(two_threads):
-    """engine/model/kernels must be built with OpenMP: without it at::parallel_for runs serially and the q4 matmul and
-    the fixed-order attention would use one core of two. Seen as CPU time on torch's worker
+    """engine/model/kernels must be built with OpenMP: without it their parallel loops run serially and the q4 matmul
+    and the fixed-order attention would use one core of two. Seen as CPU time on torch's worker
     thread, not as a speed. Their rows come out the same bits with one thread or two."""
     generator = torch.Generator().manual_seed(0)
     layer = QuantLinear(quantize(torch.randn(2048, 1024, generator=generator) * 0.05, "Q4_1"), None)

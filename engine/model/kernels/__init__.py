@@ -17,7 +17,7 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = sorted(str(source) for source in HERE.glob("*.cpp"))  # each includes kernels.h, from HERE
-# No contraction the source does not ask for; OpenMP, or at::parallel_for runs every kernel on one thread.
+# No contraction the source does not ask for; OpenMP, without which every kernel runs on one thread.
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
 

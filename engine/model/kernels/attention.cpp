@@ -2,7 +2,6 @@
 // order, so a row's bits depend on its visible keys alone (kernels.h has the whole design).
 #include "kernels.h"
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -270,7 +269,7 @@ struct Block {
     const int64_t stretches = std::max<int64_t>(1, (longest + stretch - 1) / stretch);
     // a multiple of 24, so that a stretch leaves no keys to score one at a time (score_keys takes 3, 4 or 8 at once)
     const int64_t length = (longest + stretches - 1) / stretches / 24 * 24 + 24;
-    at::parallel_for(0, kv_heads * parts() * stretches, 1, [&](int64_t t0, int64_t t1) {
+    parallel_chunks(0, kv_heads * parts() * stretches, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t s = task % stretches, part = task / stretches % parts(), g = task / stretches / parts();
         for (int64_t r = first; r < last; ++r) {
@@ -294,7 +293,7 @@ struct Block {
   }
 
   void softmax() {
-    at::parallel_for(0, (last - first) * heads, 1, [&](int64_t t0, int64_t t1) {
+    parallel_chunks(0, (last - first) * heads, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t r = first + task / heads, h = task % heads;
         if (visible[r].count() > 0)
@@ -306,7 +305,7 @@ struct Block {
   template <int WIDTH>
   void mix() {
     const int64_t slices = dim / (8 * WIDTH);
-    at::parallel_for(0, kv_heads * parts() * slices, 1, [&](int64_t t0, int64_t t1) {
+    parallel_chunks(0, kv_heads * parts() * slices, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t d0 = task % slices * 8 * WIDTH, part = task / slices % parts(), g = task / slices / parts();
         for (int64_t r = first; r < last; ++r)

@@ -18,7 +18,6 @@
 // the same bits, and a row's result never depends on the rows beside it.
 #include "kernels.h"
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <numeric>
@@ -361,7 +360,7 @@ at::Tensor int8_linears(const at::Tensor& x, const std::vector<Int8Layer>& layer
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (LANES * in));
   // One parallel loop over every layer's tiles: layers that take the same input share the rounding of it and a
   // single split of the work, as if stacked, and each output feature is computed as in its own layer.
-  at::parallel_for(0, tile_starts.back(), grain, [&](int64_t first, int64_t last) {
+  parallel_chunks(0, tile_starts.back(), grain, [&](int64_t first, int64_t last) {
     size_t l = std::upper_bound(tile_starts.begin(), tile_starts.end(), first) - tile_starts.begin() - 1;
     for (int64_t tile = first; tile < last; ++tile) {
       while (tile >= tile_starts[l + 1]) ++l;

@@ -29,10 +29,13 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 
 #include <immintrin.h>
+#include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -169,6 +172,27 @@ struct Lanes16 {
 
 #undef LANE_OP
 #undef WIDE_LANE_OP
+
+// at::parallel_for's split of [begin, end) (one contiguous chunk a thread, none shorter than `grain`, the calling
+// thread alone where one chunk covers it or inside a parallel region), on OpenMP directly. at::parallel_for also
+// carries torch's thread-local state into every worker, which loops calling no torch op do not need, and a decoding
+// step makes some 300 such calls: about 1 % of its time (measured). f must not throw.
+template <typename F>
+void parallel_chunks(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t range = end - begin;
+  if (range <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (range + grain - 1) / grain);
+  if (threads <= 1 || omp_in_parallel()) {
+    f(begin, end);
+    return;
+  }
+  const int64_t chunk = (range + threads - 1) / threads;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t first = begin + omp_get_thread_num() * chunk;
+    if (first < end) f(first, std::min(end, first + chunk));
+  }
+}
 
 // ---- what the files take from each other ----
 

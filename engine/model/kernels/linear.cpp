@@ -2,7 +2,6 @@
 // used at once for up to eight rows (kernels.h has the whole design).
 #include "kernels.h"
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 
@@ -153,7 +152,7 @@ at::Tensor grouped_linear(const at::Tensor& x, int64_t out_features, const std::
   const float* bs = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t tiles = (out_features + TILE - 1) / TILE;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (TILE * in));  // ~64k weights per task at least
-  at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
+  parallel_chunks(0, tiles, grain, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const int64_t n0 = t * TILE, valid = std::min(TILE, out_features - n0);
       multiply_rows(xs, count, format, n0, valid, bs ? bs + n0 : nullptr, os + n0, out_features);
