@@ -2,7 +2,6 @@
 // order, so a row's bits depend on its visible keys alone (kernels.h has the whole design).
 #include "kernels.h"
 
-
 #include <algorithm>
 #include <cfloat>
 #include <memory>

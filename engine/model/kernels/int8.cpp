@@ -18,7 +18,6 @@
 // the same bits, and a row's result never depends on the rows beside it.
 #include "kernels.h"
 
-
 #include <algorithm>
 #include <numeric>
 

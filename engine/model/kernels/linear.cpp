@@ -2,7 +2,6 @@
 // used at once for up to eight rows (kernels.h has the whole design).
 #include "kernels.h"
 
-
 #include <algorithm>
 
 namespace eagle_cpu {
