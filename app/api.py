@@ -28,10 +28,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from engine import DecodeParams, Engine
-from engine.draft.checkpoint import DEFAULT_HEAD
-from engine.model.load import DEFAULT_BASE
 
-from .chat import APP_PARAMS, ChatService
+from .chat import APP_PARAMS, LOAD_FAILURES, Busy, ChatService, Names, first_line
+from .models import HeadInfo, ModelFolders, ModelInfo, find_heads, find_models, head_fit, load_options
 from .meter import TurnMeter
 from .openai_schema import (
     ApiError, ChatCompletion, ChatRequest, Completion, CompletionRequest, SamplingRequest, TextCompletion, event,
@@ -49,21 +48,6 @@ SHARE_REFUSED = (
 FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length"}  # the engine's names -> the protocol's
 
 
-def model_name(source: str | Path) -> str:
-    """A model's id part: a folder or file by its name, a hub id as it is."""
-    path = Path(source).expanduser()
-    return path.name if path.exists() else str(source)
-
-
-def model_ids(base: str | None, head: str | Path | None) -> dict[str, str]:
-    """The served model ids and their methods: the base model alone (plain decoding), and base+head (EAGLE)."""
-    base_id = model_name(base or DEFAULT_BASE)
-    ids = {base_id: "vanilla"}
-    if head is not None:
-        ids[f"{base_id}+{model_name(DEFAULT_HEAD if head == 'default' else head)}"] = "eagle"
-    return ids
-
-
 @dataclass(frozen=True)
 class Access:
     """Who may call the API: holders of a key (sent as a Bearer token), or anyone when there is none; nobody when
@@ -73,9 +57,9 @@ class Access:
     public: bool = False
 
     @classmethod
-    def from_options(cls, api_key: str | None, auth: tuple[str, str] | None, share: bool) -> Access:
-        """--api-key is a key; so is the UI's --auth, as "user:password"."""
-        keys = tuple(k for k in (api_key, auth and ":".join(auth)) if k)
+    def from_options(cls, api_key: str | None, auth: list[tuple[str, str]] | None, share: bool) -> Access:
+        """--api-key is a key; so is each of the UI's --auth users, as "user:password"."""
+        keys = tuple(k for k in (api_key, *(":".join(pair) for pair in auth or ())) if k)
         return cls(keys, share)
 
     def check(self, authorization: str | None) -> None:
@@ -177,25 +161,61 @@ class Reply:
             "tau": None if tau is None else round(tau, 3), "tokens_per_s": None if speed is None else round(speed, 2),
         }
 
+    def timings(self, prompt_tokens: int) -> dict:
+        """The answer's timings as llama.cpp's server reports them (its field "timings"), so that clients written for
+        it read the drafting figures too: the prompt's forward, then the tokens decoded after it."""
+        meter = self.meter  # as in llama.cpp: the prompt's forward gives a predicted token, in the prompt's time
+        decoded_ms, tokens = 1000 * meter.decoding.seconds, meter.first_tokens + meter.tokens
+        return {
+            "prompt_n": prompt_tokens, "prompt_ms": round(1000 * meter.prefill_s, 3),
+            "prompt_per_second": round(prompt_tokens / meter.prefill_s, 2) if meter.prefill_s else None,
+            "predicted_n": tokens, "predicted_ms": round(decoded_ms, 3),
+            "predicted_per_second": round(1000 * tokens / decoded_ms, 2) if decoded_ms else None,
+            "draft_n": meter.drafted, "draft_n_accepted": meter.accepted,
+        }
+
 
 class Api:
     """The /v1 routes. Until a ChatService is attached (the model loads) they answer 503."""
 
     def __init__(
         self, access: Access, max_new_tokens: int | None = None, defaults: DecodeParams = APP_PARAMS,
-        waiting: int = WAITING_REQUESTS,
+        waiting: int = WAITING_REQUESTS, folders: ModelFolders | None = None,
     ):
         """max_new_tokens: the longest answer this server gives (a longer max_tokens is cut there, finish_reason
-        "length"); None: as long as the model's context holds."""
-        self.access, self.max_new_tokens, self.defaults = access, max_new_tokens, defaults
+        "length"); None: as long as the model's context holds. folders: where the models a request may name are
+        found (app/models.py), loaded in place of the engine's when one is asked for; None: only the loaded model."""
+        self.access, self.max_new_tokens, self.defaults, self.folders = access, max_new_tokens, defaults, folders
         self.service: ChatService | None = None
-        self.models: dict[str, str] = {}
+        self._fixed: dict[str, str] | None = None
         self.created = int(time.time())
         self._waiting = anyio.CapacityLimiter(waiting)
+        self._swapping = threading.Lock()
 
-    def attach(self, service: ChatService, models: dict[str, str]) -> None:
-        self.models = models
+    def attach(self, service: ChatService, models: dict[str, str] | None = None) -> None:
+        """models: the served ids and their methods, as given (a model built in memory has no file to be named by);
+        None: the loaded model's names, whichever model that is."""
+        self._fixed = models
         self.service = service  # last: requests take a set service for a loaded model
+
+    @property
+    def models(self) -> dict[str, str]:
+        """The ids served by the loaded model and their methods: the base alone (vanilla) and base+head (eagle)."""
+        if self._fixed is not None:
+            return self._fixed
+        return self.service.names().model_ids() if self.service is not None else {}
+
+    def loadable(self) -> dict[str, tuple[ModelInfo, HeadInfo | None]]:
+        """Every other model a request may name, to be loaded for it: each model found by id, and id+head for each
+        head that fits it."""
+        if self.folders is None:
+            return {}
+        heads, found = find_heads(self.folders), {}
+        for model in find_models(self.folders):
+            if model.problem is None:
+                found[model.id] = (model, None)
+                found |= {f"{model.id}+{head.id}": (model, head) for head in heads if head_fit(head, model) is None}
+        return {name: entry for name, entry in found.items() if name not in self.models}
 
     def routes(self) -> list[Route]:
         """The routes, for Gradio's FastAPI app (launch's app_kwargs) or a bare Starlette app."""
@@ -217,9 +237,13 @@ class Api:
         return await _answer(self._models(request))
 
     async def _models(self, request: Request) -> dict:
+        """The loaded model's ids ("loaded": true), then those a request may name to have them loaded."""
         self._ready(request)
-        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "eagle-chat", "method": method}
-                for name, method in self.models.items()]
+        loadable = await anyio.to_thread.run_sync(self.loadable)
+        entries = [(name, method, True) for name, method in self.models.items()]
+        entries += [(name, "eagle" if head else "vanilla", False) for name, (_, head) in loadable.items()]
+        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "eagle-chat", "method": method,
+                 "loaded": loaded} for name, method, loaded in entries]
         return {"object": "list", "data": data}
 
     async def engine_status(self, request: Request) -> JSONResponse:
@@ -255,10 +279,10 @@ class Api:
         return await _answer(self._whole(job, request))
 
     def _job(self, service: ChatService, endpoint: Endpoint, asked: SamplingRequest) -> Job:
-        """Check the request against the engine: the model id, the prompt and how long an answer fits."""
+        """Check the request against the engine: the model id (another model found here is loaded first), the
+        prompt and how long an answer fits."""
         if asked.model not in self.models:
-            raise ApiError(404, f"model {asked.model!r} is not served here; choose one of {', '.join(self.models)}",
-                           param="model", code="model_not_found")
+            self._load(service, asked.model)
         try:
             ids = endpoint.encode(service.engine, asked)
         except ValueError as err:
@@ -269,6 +293,29 @@ class Api:
             temperature=asked.temperature, top_p=asked.top_p, top_k=asked.top_k, seed=asked.seed,
         )
         return Job(asked.model, ids, params, asked.stop, asked.stream_options.include_usage, endpoint.answer)
+
+    def _load(self, service: ChatService, name: str) -> None:
+        """Load the model a request names in place of the engine's, as the page's Models tab does; 404 with the ids
+        there are for one not found, 503 while an answer streams, 500 for a load that failed (the engine then
+        answers as before)."""
+        with self._swapping:  # requests for the same new model load it once
+            if name in self.models:
+                return
+            found = self.loadable()
+            if name not in found:
+                choices = ", ".join([*self.models, *found])
+                raise ApiError(404, f"model {name!r} is not served here; choose one of {choices}", param="model",
+                               code="model_not_found")
+            model, head = found[name]
+            try:
+                service.swap(load_options(service.options, model, head), Names(model.id, head and head.id))
+            except Busy as err:
+                raise ApiError(503, f"model {name!r} is not loaded yet: {err}", type="server_error",
+                               code="model_busy", headers={"Retry-After": "5"}) from None
+            except LOAD_FAILURES as err:
+                log.warning("loading %s failed: %s", model.path, err)
+                raise ApiError(500, f"model {name!r} could not be loaded ({first_line(err)}); the model before "
+                               "keeps answering", type="server_error", code="model_load_failed") from None
 
     @staticmethod
     def _room(engine: Engine, ids: list[int], endpoint: Endpoint) -> int:
@@ -302,7 +349,7 @@ class Api:
             pass
         completion = job.answer(job.model)
         return completion.whole(reply.text, reply.finish_reason or "length", self._usage(job, reply),
-                                eagle=reply.figures())
+                                eagle=reply.figures(), timings=reply.timings(len(job.prompt_ids)))
 
     async def _events(self, job: Job) -> AsyncIterator[str]:
         completion, reply = job.answer(job.model), Reply(job)
@@ -312,7 +359,8 @@ class Api:
             async for text in self._rounds(job, reply):
                 if text:
                     yield event(completion.piece(text))
-            yield event(completion.closing(reply.finish_reason or "length", eagle=reply.figures()))
+            yield event(completion.closing(reply.finish_reason or "length", eagle=reply.figures(),
+                                           timings=reply.timings(len(job.prompt_ids))))
             if job.include_usage:
                 yield event(completion.usage_chunk(self._usage(job, reply)))
         except Exception as err:  # the status line has gone out: the client hears of a failure in the stream

@@ -4,15 +4,20 @@ No Gradio here: the UI turns these updates into HTML, and tests drive the servic
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
-from engine import ContextTooLong, DecodeParams, Engine, Step, oldest_turns_dropped
+from engine import CheckpointError, ContextTooLong, DecodeParams, Engine, LoadOptions, Step, freeze_heap, oldest_turns_dropped
+from engine.draft.checkpoint import DEFAULT_HEAD
+from engine.model.load import DEFAULT_BASE
 
 from .meter import TurnMeter, turn_log_line
 from .render import Answer, TokenText
@@ -91,16 +96,67 @@ class EngineThread:
         return Decoding(self._executor, steps, on_step)
 
 
-class ChatService:
-    """Chat turns over one engine, with counters shown to every session."""
+@dataclass(frozen=True)
+class Names:
+    """The loaded base model and head as the page and the API name them."""
 
-    def __init__(self, engine: Engine, engine_thread: EngineThread | None = None):
+    base: str
+    head: str | None
+
+    def model_ids(self) -> dict[str, str]:
+        """The served model ids and their methods: the base model alone (plain decoding), and base+head (EAGLE)."""
+        ids = {self.base: "vanilla"}
+        if self.head is not None:
+            ids[f"{self.base}+{self.head}"] = "eagle"
+        return ids
+
+
+def model_name(source: str | Path) -> str:
+    """A model's id part: a folder or file by its name, a hub id as it is."""
+    path = Path(source).expanduser()
+    return path.name if path.exists() else str(source)
+
+
+# What a failed load raises: a head that does not fit, a damaged file, a missing package, too little memory
+LOAD_FAILURES = (CheckpointError, ValueError, OSError, ImportError, MemoryError, RuntimeError)
+
+
+def first_line(err: BaseException) -> str:
+    """An error in one line, for a user: the first line of its message."""
+    return (str(err).splitlines() or [type(err).__name__])[0]
+
+
+class Busy(RuntimeError):
+    """The engine cannot be swapped now: an answer is streaming."""
+
+
+class ModelChanged(ValueError):
+    """A turn waited while another model was loaded: its prompt was encoded for the one before."""
+
+
+class ChatService:
+    """Chat turns over one engine, with counters shown to every session; the engine can be swapped between turns."""
+
+    def __init__(self, engine: Engine, engine_thread: EngineThread | None = None, options: LoadOptions | None = None):
+        """options: what the engine was loaded from (LoadOptions()'s defaults if not given), the starting point of a
+        swap: another model keeps the device, kernels and other settings the app started with."""
         self.engine = engine
+        self.options = options or LoadOptions()
+        self._names: Names | None = None
         self.engine_thread = engine_thread or EngineThread()
         self._turn = threading.Lock()  # waited for in the caller's thread, so turns never queue on the engine thread
         self._count_lock = threading.Lock()
         self.rounds = 0  # decoding rounds since start-up, every session together
         self.active = 0  # turns decoding or waiting for the engine
+
+    def names(self) -> Names:
+        """The loaded model's names: as the swap named them, else from what it was loaded from (an embedded base by
+        its short name)."""
+        if self._names is not None:
+            return self._names
+        head = self.options.head if self.engine.head is not None else None
+        return Names(model_name(self.options.base or DEFAULT_BASE),
+                     None if head is None else model_name(DEFAULT_HEAD if head == "default" else head))
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -127,16 +183,36 @@ class ChatService:
             f"tokens and needs room for its answer, so keep a message under {self.engine.max_context - room} tokens"
         )
 
-    def stream(self, prompt_ids: list[int], params: DecodeParams,
-               every_s: float = 0.0) -> Iterator[tuple[Answer, TurnMeter]]:
+    def swap(self, options: LoadOptions, names: Names | None = None) -> Engine:
+        """Load the engine `options` name (on the engine thread) and answer on it from the next turn. Refused with Busy
+        while an answer streams; a load that fails raises and leaves the engine in place, answering as before.
+        names: what the page and the API call the new model (default: its file's and its head's folder's names)."""
+        if not self._turn.acquire(blocking=False):
+            raise Busy("an answer is being written: wait for it to finish (or press Stop), then load the model")
+        try:
+            engine = self.engine_thread.call(Engine.from_options, options)
+            old, self.engine, self.options, self._names = self.engine, engine, options, names
+        finally:
+            self._turn.release()
+        del old
+        _collect_swapped_out()
+        return engine
+
+    def stream(self, prompt_ids: list[int], params: DecodeParams, every_s: float = 0.0,
+               encoded_by: Engine | None = None) -> Iterator[tuple[Answer, TurnMeter]]:
         """Answer a prompt, yielding the first round, the last, and between them the latest state at most every
         `every_s`. Decoding runs ahead on the engine thread meanwhile. Closing the iterator stops the engine after
-        the round in progress."""
-        answer, detokenizer, turn = Answer(), TokenText(self.engine.tokenizer), TurnMeter(params.method)
+        the round in progress. encoded_by: the engine whose tokenizer made `prompt_ids`; if another model was loaded
+        while the turn waited, it raises ModelChanged rather than feed one model's ids to another."""
+        engine = encoded_by or self.engine
+        answer, detokenizer, turn = Answer(), TokenText(engine.tokenizer), TurnMeter(params.method)
         self._count(active=1)
         try:
-            steps = self.engine.generate(prompt_ids, params)
             with self._turn:
+                if engine is not self.engine:
+                    raise ModelChanged("another model was loaded while this message waited for its turn: send it "
+                                       "again to have the new model answer it")
+                steps = engine.generate(prompt_ids, params)
                 decoding = self.engine_thread.decode(steps, on_step=lambda: self._count(rounds=1))
                 try:
                     shown_at, done = None, False
@@ -160,3 +236,10 @@ class ChatService:
             turn.add(step)
             if step.finish_reason:
                 answer.finish(detokenizer)
+
+
+def _collect_swapped_out() -> None:
+    """Free a swapped-out engine's memory. Its objects were frozen out of the collector's sight at start-up
+    (engine.freeze_heap), where its cyclic garbage would stay for the process's life: thaw, collect, freeze again."""
+    gc.unfreeze()
+    freeze_heap()

@@ -19,15 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from statistics import mean, median, stdev
 
+from markdown_it.common.utils import escapeHtml
+
 from engine import Step
+
+from .figures import FINISH_NAMES, METHOD_NAMES, figures_line
 
 PLAIN_EVERY = 40  # a run of plain steps every 40 rounds: 1 round in 5 plain, 1 in 10 timed
 PLAIN_RUN = 8
 SETTLING = 4  # untimed plain steps at the start of a run
 HICCUP = 2.0  # a step over twice its kind's median time was held up by the machine, not slowed by the method
 CHART_ROUNDS = 48  # rounds shown in the acceptance chart
-METHOD_NAMES = {"eagle": "EAGLE", "suffix": "Context drafting (no head)", "vanilla": "Plain decoding"}
-FINISH_NAMES = {"eos": "finished", "length": "token limit reached", "context": "context full"}
 
 
 @dataclass
@@ -80,20 +82,25 @@ class TurnMeter:
     """Figures of one answer, updated once per decoding round."""
 
     method: str
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # the prompt's forward, which also gives the first token: the time to the first token
+    first_tokens: int = 0  # tokens the prefill gave (one)
     decoding: Rate = field(default_factory=Rate)  # every round after the prefill: what the user gets
     speculative: Rate = field(default_factory=Rate)  # rounds that verified a drafted tree
     plain: Rate = field(default_factory=Rate)  # settled plain steps, timed as plain decoding (drafter upkeep left out)
     per_round: list[int] = field(default_factory=list)  # tokens committed by each round (accepted drafts + 1)
     head_rounds: int = 0  # speculative rounds the draft head took part in (the head gate may rest it)
+    drafted: int = 0  # drafted tokens the base model verified, the head's and the context's (llama.cpp's draft_n)
+    accepted: int = 0  # of those, the ones kept (llama.cpp's draft_n_accepted)
     finish_reason: str | None = None
     plain_streak: int = 0  # plain steps in a row up to the last one added
 
     def add(self, step: Step) -> None:
         self.finish_reason = step.finish_reason
-        if step.kind == "prefill":
-            self.prefill_s = step.wall_s
+        if step.kind == "prefill":  # the prompt's forward, which also gives the first token
+            self.prefill_s, self.first_tokens = step.wall_s, len(step.tokens)
             return
+        self.drafted += step.tree_size
+        self.accepted += step.accepted
         self.decoding.add(len(step.tokens), step.wall_s)
         self.plain_streak = self.plain_streak + 1 if step.kind == "plain" else 0
         if self.plain_streak > SETTLING:
@@ -138,6 +145,13 @@ class TurnMeter:
         """Rounds the machine held up (over HICCUP × their kind's median), plain steps and drafting rounds."""
         return sum(t != s for rate in (self.plain, self.speculative) for t, s in zip(rate.times, rate.steady_times()))
 
+    def summary(self) -> dict:
+        """The answer's figures as plain values, kept with the reply and sent with it (chat history, export, API)."""
+        return {"method": self.method, "tokens": self.first_tokens + self.tokens,
+                "tokens_per_s": _rounded(self.tokens_per_s, 2), "tau": _rounded(self.tau, 3),
+                "accepted": self.accepted, "drafted": self.drafted, "speedup": _rounded(self.speedup, 3),
+                "ttft_s": _rounded(self.prefill_s, 4), "finish": self.finish_reason}
+
     @property
     def speedup(self) -> float | None:
         """The answer's tokens/s (the figure shown, its own plain steps included) over its plain steps' tokens/s; 1
@@ -170,6 +184,10 @@ class TurnMeter:
             basis += (f" {self.hiccups} round{'s' if self.hiccups > 1 else ''} held up by the machine (over "
                       f"{HICCUP:.0f}× the usual time) count against both speeds alike.")
         return basis
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _figure(value: float | None, digits: int) -> str:
@@ -245,6 +263,22 @@ def turn_log_line(turn: TurnMeter) -> str:
             f"plain {_figure(turn.plain_per_s, 1)} tok/s over {turn.plain.steps} steps, "
             f"{turn.hiccups} held up, "
             f"shown {speedup}, prefill {turn.prefill_s * 1000:.0f} ms, {turn.finish_reason or 'stopped'}")
+
+
+def figures_html(figures: dict) -> str:
+    """A finished answer's figures under it, collapsed to one line until opened (the `data-` attributes of the meter do
+    not survive the chat's HTML sanitizer, so the figures are in the text and the element's title)."""
+    line = figures_line(figures)
+    return (f'<details class="reply-figures"><summary title="{escapeHtml(line)}">{escapeHtml(_headline(figures))}'
+            f'</summary><p>{escapeHtml(line)}</p></details>')
+
+
+def _headline(figures: dict) -> str:
+    speed = figures.get("tokens_per_s")
+    speedup = figures.get("speedup")
+    parts = [METHOD_NAMES.get(figures.get("method", ""), figures.get("method") or "?"),
+             "" if speed is None else f"{speed:.1f} tokens/s", "" if speedup is None else f"{speedup:.2f}×"]
+    return " · ".join(p for p in parts if p)
 
 
 def status_html(rounds: int, active: int) -> str:

@@ -15,6 +15,10 @@ from engine import DecodeParams, DynamicTree
 from .chat import APP_PARAMS, ChatService
 from .conversation import Conversation, Turn, note_turn, user_turn
 from .meter import METHOD_NAMES, PLAIN_EVERY, PLAIN_RUN, TurnMeter, meter_html, status_html
+from .history import History, HistoryPanel, history_panel
+from .models import ModelFolders
+from .models_panel import ModelsPanel, ModelsTab, description_html, models_tab
+from .store import ChatStore
 from .render import render_answer, render_markdown
 
 log = logging.getLogger(__name__)
@@ -22,8 +26,6 @@ CSS = Path(__file__).resolve().parents[1] / "assets" / "app.css"
 EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples.txt"
 EMPTY_HINT = "Type a message first: an empty message is not sent."
 BUSY_HINT = "An answer is still being written: wait for it or press Stop."
-COMPLETING = ("<p><strong>This model has no chat template</strong> (or the app runs with --no-chat-template): each "
-              "message is continued as plain text, not answered as in a chat.</p>")
 ANSWER_TOKENS = 1024  # the answer length a page starts with: a real answer, well inside any context
 STOP_WAIT_S = 60  # the longest a round can take to finish after Stop, on a slow machine
 UPDATE_EVERY_S = 0.5  # page updates while an answer streams; more often costs the decoder (docs/app.md)
@@ -66,11 +68,21 @@ class Handlers:
     so no handler depends on the order of the controls on the page.
     """
 
-    def __init__(self, service: ChatService, max_new_tokens: int | None = None):
-        """max_new_tokens: the longest answer a user may ask for; None: what the model's context holds."""
+    def __init__(self, service: ChatService, max_new_tokens: int | None = None, history: History | None = None):
+        """max_new_tokens: the longest answer a user may ask for; None: what the model's context holds.
+        history: where conversations are kept (None: in memory only)."""
         self.service = service
-        self.max_new_tokens = max_new_tokens or service.engine.max_context
-        self.default_answer = min(ANSWER_TOKENS, self.max_new_tokens)
+        self.cap = max_new_tokens
+        self.history = history or History(ChatStore(None))
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The longest answer a user may ask for, on the model loaded now."""
+        return min(self.cap or self.service.engine.max_context, self.service.engine.max_context)
+
+    @property
+    def default_answer(self) -> int:
+        return min(ANSWER_TOKENS, self.max_new_tokens)
 
     def params(self, **options) -> DecodeParams:
         """The settings controls' values as DecodeParams, the answer length capped at the app's --max-new-tokens;
@@ -91,24 +103,34 @@ class Handlers:
         conversation.turns.append(user_turn(text))
         return "", conversation, conversation.shown()
 
-    def answer(self, conversation: Conversation, provenance: bool, **options) -> Iterator[tuple]:
-        """Stream the answer to the waiting user message, a few updates per second."""
+    def answer(self, conversation: Conversation, provenance: bool, browser: str = "",
+               request: gr.Request | None = None, **options) -> Iterator[tuple]:
+        """Stream the answer to the waiting user message, a few updates per second; keep the chat when it ends.
+        Yields the conversation, the chat, the meter, then the chat list, the export buttons, the title and the
+        store's state (skipped until the answer ends)."""
+        kept, owner = (gr.skip(),) * 5, self.history.owner(request, browser)
         if conversation.busy or not conversation.waiting:
-            yield conversation, conversation.shown(), gr.skip()
+            yield conversation, conversation.shown(), gr.skip(), *kept
             return
         conversation.busy = True
         reply = Turn("assistant", "", "")
         try:
             params = self.params(**options)
+            engine = self.service.engine
             ids, dropped = self.service.fit(conversation.messages(), params.max_new_tokens)
             conversation.turns.append(reply)
-            for answer, meter in self.service.stream(ids, params, every_s=UPDATE_EVERY_S):
+            for answer, meter in self.service.stream(ids, params, every_s=UPDATE_EVERY_S, encoded_by=engine):
                 reply.text, reply.answer, reply.meter = answer.text, answer, meter
                 reply.html = render_answer(answer, provenance)
                 running = reply.meter.finish_reason is None
                 if not running:
                     reply.note = self._note(reply.meter, dropped)
-                yield conversation, conversation.shown(), meter_html(reply.meter, running)
+                    reply.figures = self.figures(reply.meter)
+                    conversation.busy = False
+                    yield conversation, conversation.shown(), meter_html(reply.meter, running), \
+                        *self.history.after_answer(conversation, owner)
+                else:
+                    yield conversation, conversation.shown(), meter_html(reply.meter, running), *kept
         except Exception as err:  # a traceback must never reach the page
             if reply.text:
                 conversation.turns.append(note_turn(_problem(err)))
@@ -116,9 +138,16 @@ class Handlers:
                 if reply in conversation.turns:
                     conversation.turns.remove(reply)
                 conversation.reject_last(_problem(err))
-            yield conversation, conversation.shown(), meter_html(reply.meter)
+            conversation.busy = False
+            yield conversation, conversation.shown(), meter_html(reply.meter), \
+                *self.history.after_answer(conversation, owner)
         finally:
             conversation.busy = False
+
+    def figures(self, meter: TurnMeter) -> dict:
+        """A finished answer's figures, with the model and head that wrote it, kept with the reply."""
+        names = self.service.names()
+        return {**meter.summary(), "model": names.base, "head": names.head if meter.method == "eagle" else None}
 
     @staticmethod
     def _note(turn: TurnMeter, dropped: int) -> str:
@@ -127,17 +156,19 @@ class Handlers:
             notes.append(f"The {dropped} oldest messages no longer fit the context and were left out.")
         return " ".join(n for n in notes if n)
 
-    def after_stop(self, conversation: Conversation):
-        """Once the stopped answer has let go of the engine, mark it and settle the meter."""
+    def after_stop(self, conversation: Conversation, browser: str = "", request: gr.Request | None = None):
+        """Once the stopped answer has let go of the engine, mark it, settle the meter and keep the chat."""
         deadline = time.monotonic() + STOP_WAIT_S
         while conversation.busy and time.monotonic() < deadline:
             time.sleep(0.05)
         reply = conversation.last_answer()
-        if reply is None or reply.meter is None:
-            return conversation, conversation.shown(), gr.skip()
+        if reply is None or reply.meter is None or reply.figures is not None:
+            return conversation, conversation.shown(), gr.skip(), *(gr.skip(),) * 5
         if reply.meter.finish_reason is None and not reply.note:
             reply.note = f"Stopped after {len(reply.answer.ids)} tokens."
-        return conversation, conversation.shown(), meter_html(reply.meter)
+        reply.figures = self.figures(reply.meter)
+        return conversation, conversation.shown(), meter_html(reply.meter), \
+            *self.history.after_answer(conversation, self.history.owner(request, browser))
 
     def regenerate(self, conversation: Conversation):
         if conversation.busy:
@@ -146,7 +177,8 @@ class Handlers:
             gr.Warning("There is no answer to regenerate yet.")
         return conversation, conversation.shown()
 
-    def clear(self):
+    def clear(self, conversation: Conversation):
+        """An empty chat on screen; a kept chat stays in the list (Delete removes it)."""
         return Conversation(), [], meter_html(None)
 
     def rerender(self, conversation: Conversation, provenance: bool):
@@ -170,10 +202,11 @@ class Handlers:
             return
         try:
             greedy = self.params(**{**options, "temperature": 0.0, "top_p": 1.0})
+            engine = self.service.engine
             ids, _ = self.service.fit([{"role": "user", "content": text}], greedy.max_new_tokens)
             for method in ("vanilla", "eagle"):
                 params = greedy.with_options(method=method)
-                for answer, turn in self.service.stream(ids, params, every_s=UPDATE_EVERY_S):
+                for answer, turn in self.service.stream(ids, params, every_s=UPDATE_EVERY_S, encoded_by=engine):
                     panes[method], finished[method] = render_answer(answer, provenance), (answer, turn)
                     progress = _verdict(f"{METHOD_NAMES[method]} is answering…")
                     yield panes["vanilla"], panes["eagle"], progress, meter_html(turn, running=True)
@@ -319,10 +352,14 @@ def _side_panel(handlers: Handlers) -> SidePanel:
     return SidePanel(meter, status, provenance, controls)
 
 
-def _wire_chat(handlers: Handlers, conversation: gr.State, chat: ChatTab, side: SidePanel) -> None:
-    """Send, Enter, Regenerate, Stop, Clear and the provenance switch. Answers queue on the one engine."""
-    answer_inputs = dict(conversation=conversation, provenance=side.provenance, **side.controls)
-    answer_outputs = [conversation, chat.chatbot, side.meter]
+def _wire_chat(handlers: Handlers, conversation: gr.State, chat: ChatTab, side: SidePanel,
+               history: HistoryPanel) -> None:
+    """Send, Enter, Regenerate, Stop, Clear and the provenance switch. Answers queue on the one engine; each kept in
+    the chat list when it ends."""
+    answer_inputs = dict(conversation=conversation, provenance=side.provenance, browser=history.browser,
+                         **side.controls)
+    kept = [history.chats, history.export, history.export_json, history.title, history.saving]
+    answer_outputs = [conversation, chat.chatbot, side.meter, *kept]
     answers = []
     for trigger in (chat.prompt.submit, chat.send.click):
         added = trigger(handlers.add_message, [chat.prompt, conversation], [chat.prompt, conversation, chat.chatbot],
@@ -332,13 +369,42 @@ def _wire_chat(handlers: Handlers, conversation: gr.State, chat: ChatTab, side: 
     dropped = chat.regenerate.click(handlers.regenerate, [conversation], [conversation, chat.chatbot], **QUICK_EVENTS)
     answers.append(dropped.then(handlers.answer, inputs_kwargs=answer_inputs, outputs=answer_outputs, **ENGINE_EVENTS))
     chat.stop.click(None, None, None, cancels=answers).then(
-        handlers.after_stop, [conversation], [conversation, chat.chatbot, side.meter], **QUICK_EVENTS
+        handlers.after_stop, [conversation, history.browser], [conversation, chat.chatbot, side.meter, *kept],
+        **QUICK_EVENTS
     )
     for trigger in (chat.clear.click, chat.chatbot.clear):  # the Chatbot's own bin icon clears the conversation too
         trigger(None, None, None, cancels=answers).then(
-            handlers.clear, None, [conversation, chat.chatbot, side.meter], queue=False
+            handlers.clear, [conversation], [conversation, chat.chatbot, side.meter], queue=False
         )
     side.provenance.change(handlers.rerender, [conversation, side.provenance], [chat.chatbot], queue=False)
+
+
+def _wire_history(panel: History, conversation: gr.State, chat: ChatTab, side: SidePanel,
+                  history: HistoryPanel) -> None:
+    """The chat list: open, new, rename, delete, import; the page's first load lists this user's chats."""
+    opened = [conversation, chat.chatbot, history.chats, history.export, history.export_json, history.title]
+    history.chats.input(panel.open_chat, [history.chats, conversation, side.provenance, history.browser], opened,
+                        **QUICK_EVENTS)
+    history.new_chat.click(panel.new_chat, [conversation, history.browser], opened, **QUICK_EVENTS)
+    history.delete.click(panel.delete, [conversation, history.browser], opened, **QUICK_EVENTS)
+    history.upload.upload(panel.upload, [history.upload, conversation, side.provenance, history.browser], opened,
+                          **QUICK_EVENTS)
+    renamed = [history.chats, history.title]
+    for trigger in (history.rename.click, history.title.submit):
+        trigger(panel.rename, [history.title, conversation, history.browser], renamed, **QUICK_EVENTS)
+
+
+def _wire_models(panel: ModelsPanel, models: ModelsTab, side: SidePanel, description: gr.HTML) -> None:
+    """Choose or type a model, see what it is and which heads fit, load it (one load at a time, never mid-answer)."""
+    models.choice.input(lambda path: path, [models.choice], [models.path], queue=False).then(
+        panel.inspect, [models.path], [models.info, models.head], **QUICK_EVENTS)
+    for trigger in (models.path.submit, models.path.blur):
+        trigger(panel.inspect, [models.path], [models.info, models.head], **QUICK_EVENTS)
+    models.refresh.click(panel.refreshed, None, [models.listing, models.choice], **QUICK_EVENTS)
+    models.load.click(panel.load, [models.path, models.head],
+                      [models.status, description, side.controls["method"], side.controls["max_new_tokens"]],
+                      concurrency_id="load", concurrency_limit=1, show_progress="full",
+                      show_progress_on=[models.status])
 
 
 def _wire_compare(handlers: Handlers, compare: CompareTab, side: SidePanel) -> None:
@@ -357,29 +423,39 @@ def poll_queue_gently(demo: gr.Blocks) -> None:
     demo._queue.progress_update_sleep_when_free = QUEUE_POLL_S
 
 
-def build_demo(service: ChatService, max_new_tokens: int | None = None, title: str = "EAGLE chat") -> gr.Blocks:
-    """The whole page. Every generation shares the concurrency group "engine": one at a time, others queue."""
-    handlers = Handlers(service, max_new_tokens)
+def build_demo(service: ChatService, max_new_tokens: int | None = None, title: str = "EAGLE chat",
+               store: ChatStore | None = None, folders: ModelFolders | None = None, shared: bool = False) -> gr.Blocks:
+    """The whole page. Every generation shares the concurrency group "engine": one at a time, others queue.
+    store: where chats are kept (None: in memory); folders: where the Models tab looks (None: the user's usual ones);
+    shared: the page is on a public link, where a visitor who has not signed in sees only this browser's chats."""
+    history = History(store or ChatStore(None), shared)
+    handlers = Handlers(service, max_new_tokens, history)
+    models = ModelsPanel(service, folders or ModelFolders.default())
     with gr.Blocks(title=title, analytics_enabled=False) as demo:  # no calls home from a local app
         conversation = gr.State(Conversation())
         gr.HTML(
             f'<div class="app-header"><h1>{title}</h1><p>Lossless speculative decoding: a small EAGLE head drafts '
             "tokens and the base model checks them all in one pass, so the text is what the base model alone would "
-            f'write. Here that is {escapeHtml(service.engine.exactness)}.</p>'
-            f'{"" if service.engine.chats else COMPLETING}'
-            f'<p class="engine-description" id="engine-description">'
-            f'{"<br>".join(map(escapeHtml, service.engine.description().lines()))}</p></div>'
+            "write.</p></div>"
         )
+        description = gr.HTML(lambda: description_html(service), elem_id="engine-description")
         with gr.Row():
+            with gr.Column(scale=1, min_width=200):
+                chats = history_panel(shared)
             with gr.Column(scale=3):
                 with gr.Tabs():
                     with gr.Tab("Chat"):
                         chat = _chat_tab()
                     with gr.Tab("Side by side"):
                         compare = _compare_tab()
+                    with gr.Tab("Models", elem_id="models-tab"):
+                        models_ui = models_tab(models)
             with gr.Column(scale=1, min_width=280):
                 side = _side_panel(handlers)
         gr.Timer(1.0).tick(handlers.status, None, side.status, queue=False, show_progress="hidden")
-        _wire_chat(handlers, conversation, chat, side)
+        demo.load(history.open_page, [chats.browser], [chats.browser, chats.chats, chats.saving], **QUICK_EVENTS)
+        _wire_chat(handlers, conversation, chat, side, chats)
+        _wire_history(history, conversation, chat, side, chats)
         _wire_compare(handlers, compare, side)
+        _wire_models(models, models_ui, side, description)
     return demo

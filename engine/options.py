@@ -30,7 +30,7 @@ class LoadOptions:
         "SmolLM2-135M-Instruct)"))
     head: str | Path | None = field(default="default", metadata=_flag(
         "--head", 'EAGLE head: a folder or hub id; "default": the shipped head of the embedded base (none for '
-        'another base); "none": plain decoding only'))
+        'another base); "none" (or None): plain decoding only'))
     device: str = field(default=DEFAULT_DEVICE, metadata=_flag(
         "--device", "cpu, cuda, cuda:N, or auto (every GPU there is, else the CPU)"))
     dtype: str = field(default="auto", metadata=_flag(
@@ -78,8 +78,8 @@ class LoadOptions:
     def from_args(cls, args: argparse.Namespace, **overrides) -> "LoadOptions":
         """The options a parsed command line asks for (fields it has no flag for keep their defaults)."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        if isinstance(given.get("head"), str) and given["head"].lower() == "none":
-            given["head"] = None
+        if "head" in given:
+            given["head"] = parse_head(given["head"])
         if "corpus" in given:
             given["corpus"] = parse_corpus(given["corpus"])
         return cls(**given | overrides)
@@ -96,7 +96,7 @@ class LoadOptions:
     def resolved(self) -> "LoadOptions":
         """The same options with every "default" and "auto" replaced by what it means for this base on this
         machine, checked before any weight is read."""
-        head = self.head
+        head = parse_head(self.head)
         if head == "default":
             head = DEFAULT_HEAD if self.embedded and DEFAULT_HEAD.exists() else None
         corpus = self.corpus
@@ -110,6 +110,11 @@ class LoadOptions:
         if dtype == "auto":
             dtype = "float32" if kernels in GROUPED else auto_dtype(self.device, self.quantization, self.pack)
         return replace(self, head=head, corpus=tuple(corpus) if corpus else None, kernels=kernels, dtype=dtype)
+
+
+def parse_head(value: str | Path | None) -> str | Path | None:
+    """A head as LoadOptions.head holds it: "none" means no head, in the library as on the command line."""
+    return None if isinstance(value, str) and value.lower() == "none" else value
 
 
 def parse_corpus(values: list[str] | str | None) -> str | tuple[str, ...] | None:

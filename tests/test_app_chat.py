@@ -4,12 +4,15 @@ from __future__ import annotations
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from app.chat import ChatService
 from app.conversation import Conversation
+from app.history import History
+from app.store import ChatStore
 from app.meter import SETTLING, TurnMeter
 from app.ui import ANSWER_TOKENS, EMPTY_HINT, Handlers
 from conftest import random_head, tiny_base, tokens_of
@@ -165,7 +168,7 @@ def test_a_chat_turn_streams_html_and_keeps_the_text_for_the_model(handlers):
     conversation = Conversation()
     updates = ask(handlers, conversation, "Hi <b>there</b>")
     assert len(updates) > 1
-    conversation_out, shown, meter = updates[-1]
+    conversation_out, shown, meter, *_ = updates[-1]
     assert conversation_out is conversation and not conversation.busy
     assert [m["role"] for m in shown] == ["user", "assistant"]
     assert "&lt;b&gt;there&lt;/b&gt;" in shown[0]["content"]
@@ -219,10 +222,34 @@ def test_stop_keeps_the_partial_answer_and_says_so(handlers, service):
     updates.close()  # Gradio closes the generator when Stop cancels the event
     assert not conversation.busy and service.active == 0
     kept = len(conversation.last_answer().answer.ids)
-    _, shown, meter = handlers.after_stop(conversation)
+    _, shown, meter, *_ = handlers.after_stop(conversation)
     assert 0 < kept < 1000 and f"Stopped after {kept} tokens." in shown[-1]["content"]
     assert 'data-state="idle"' in meter and "stopped" in meter
     assert conversation.messages()[-1]["role"] == "assistant"  # the partial answer stays in the history
+
+
+def test_an_answer_is_kept_with_its_figures_when_it_ends_and_a_stopped_one_too(service, tmp_path):
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    handlers = Handlers(service, max_new_tokens=64, history=History(store))
+    conversation = Conversation()
+    _, shown, _, chats, export, export_json, title, saving = ask(handlers, conversation, "Name a colour")[-1]
+    [kept] = store.chats("local")
+    assert kept.title == title == "Name a colour" and chats["value"] == kept.id == conversation.chat_id
+    assert saving == "" and Path(export["value"]).read_text().startswith("# Name a colour")
+    reply = store.load(kept.id, "local").messages[-1]
+    tokens = len(conversation.turns[-1].answer.ids)
+    assert reply["figures"]["tokens"] == tokens and reply["figures"]["method"] == "eagle"
+    assert reply["figures"]["drafted"] >= reply["figures"]["accepted"] == sum(conversation.turns[-1].answer.drafted)
+    assert "tokens/s" in shown[-1]["content"] and "reply-figures" in shown[-1]["content"]
+
+    handlers.add_message("Tell me a story", conversation)
+    updates = handlers.answer(conversation, True, **settings(max_new_tokens=1000, method="vanilla"))
+    next(updates)
+    updates.close()
+    handlers.after_stop(conversation)
+    stopped = store.load(kept.id, "local").messages[-1]
+    assert stopped["note"].startswith("Stopped after") and stopped["figures"]["finish"] is None
+    assert len(store.chats("local")) == 1  # the same chat, saved again
 
 
 def test_regenerate_answers_the_last_message_again(handlers):

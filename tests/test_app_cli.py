@@ -31,10 +31,11 @@ def test_defaults_leave_host_and_port_to_gradio_and_spaces(main_module):
 
 def test_options(main_module):
     args = main_module.parse_args(
-        ["--head", "none", "--share", "--auth", "ann:pa:ss", "--port", "7999", "--host", "0.0.0.0",
-         "--max-new-tokens", "32"]
+        ["--head", "none", "--share", "--auth", "ann:pa:ss", "--auth", "bob:pw", "--port", "7999", "--host", "0.0.0.0",
+         "--max-new-tokens", "32", "--data-dir", "/tmp/chats"]
     )
-    assert args.auth == ("ann", "pa:ss") and args.share and args.port == 7999 and args.max_new_tokens == 32
+    assert args.auth == [("ann", "pa:ss"), ("bob", "pw")] and args.share and args.port == 7999
+    assert args.max_new_tokens == 32 and args.data_dir == Path("/tmp/chats") and args.models_dir is None
 
 
 @pytest.mark.parametrize("argv, message", [

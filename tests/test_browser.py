@@ -8,9 +8,9 @@ from statistics import mean
 
 import pytest
 
-playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install -r requirements-dev.txt")
+pytest.importorskip("playwright.sync_api", reason="pip install -r requirements-dev.txt")
 from app.browser import (  # noqa: E402
-    CHROMIUM, answer_afresh, answered, choose_method, last_answer_text, launch_chromium, meter, open_app, send,
+    CHROMIUM, answer_afresh, answered, choose_method, last_answer_text, meter, open_app, send,
     set_number, start_app, stop_app, wait_for_answer,
 )
 
@@ -25,17 +25,10 @@ LONG = 2048  # the app's cap and its default answer length: ~10 s of plain decod
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
     assert DEFAULT_HEAD.is_dir(), f"the shipped head {DEFAULT_HEAD} is missing: the default app has no EAGLE"
-    process, url = start_app("--max-new-tokens", str(LONG), log=tmp_path_factory.mktemp("app") / "app.log")
+    folder = tmp_path_factory.mktemp("app")
+    process, url = start_app("--max-new-tokens", str(LONG), "--data-dir", str(folder), log=folder / "app.log")
     yield url
     stop_app(process)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

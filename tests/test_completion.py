@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from app.chat import ChatService
-from app.ui import COMPLETING, build_demo
+from app.models_panel import COMPLETING
+from app.ui import build_demo
 from conftest import random_head, tiny_base, tokens_of
 from engine import Engine, LoadOptions
 from engine.engine import PLAIN_TURNS

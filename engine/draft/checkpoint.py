@@ -29,7 +29,7 @@ from .head import DraftHead
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 DEFAULT_HEAD = ASSETS / "smollm2-135m-eagle3"
-_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _HEADS = {"eagle1": Eagle1Head, "eagle3": Eagle3Head}
 # Tensor name prefixes a layout uses where the official layout's differ: (the layout's, the official).
 _RENAMES = {
@@ -74,11 +74,11 @@ def _resolve(source: str | Path) -> Path:
         raise CheckpointError(f"head {source} is neither a folder nor a hub id")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(str(source), allow_patterns=["config.json", *_WEIGHT_FILES]))
+    return Path(snapshot_download(str(source), allow_patterns=["config.json", *WEIGHT_FILES]))
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    for name in _WEIGHT_FILES:
+    for name in WEIGHT_FILES:
         file = folder / name
         if not file.exists():
             continue
@@ -88,7 +88,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
             return torch.load(file, map_location="cpu", weights_only=True)
         except Exception as err:  # safetensors and torch raise many types for damaged files
             raise CheckpointError(f"cannot read {file}: the file is corrupt or truncated ({err})") from err
-    raise CheckpointError(f"{folder} has no {' or '.join(_WEIGHT_FILES)}")
+    raise CheckpointError(f"{folder} has no {' or '.join(WEIGHT_FILES)}")
 
 
 def _kind(raw: dict, state: dict[str, torch.Tensor]) -> str:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..model.gguf_cache import sha256
-from .checkpoint import _WEIGHT_FILES, CheckpointError, _resolve, read_checkpoint
+from .checkpoint import WEIGHT_FILES, CheckpointError, _resolve, read_checkpoint
 from .config import HeadConfig
 from .eagle3 import fused_layers
 
@@ -136,7 +136,7 @@ def read_eagle3(source: str | Path) -> Eagle3Checkpoint:
     """Read a head folder (or hub id) in any layout the engine loads, refusing any head that is not EAGLE-3 with
     the file that says so."""
     folder, config, state, as_in_file = read_checkpoint(source)
-    weights = next(folder / name for name in _WEIGHT_FILES if (folder / name).exists())
+    weights = next(folder / name for name in WEIGHT_FILES if (folder / name).exists())
     if config.kind != "eagle3":
         raise ExportError(f"{weights} is an EAGLE-1 head ({config.layout} layout): llama.cpp has no EAGLE-1 draft "
                           "loader, only EAGLE-3 (architecture eagle3); export an EAGLE-3 head")
@@ -311,7 +311,7 @@ def cached_export(head_source: str | Path, target_gguf: Path, cache: Path) -> Pa
     FORMAT_VERSION, written under a temporary name and renamed, so a cut-short export is never used."""
     folder = _resolve(head_source)
     digest = hashlib.sha256(f"eagle3-gguf-{FORMAT_VERSION}".encode())
-    for file in [folder / "config.json", *(folder / n for n in _WEIGHT_FILES), target_gguf]:
+    for file in [folder / "config.json", *(folder / n for n in WEIGHT_FILES), target_gguf]:
         if file.exists():
             digest.update(file.name.encode())
             digest.update(sha256(file).encode())

@@ -163,6 +163,25 @@ def gguf_name(names, parameter: str) -> str | None:
     return None if base is None else f"{base}.{kind}"
 
 
+def read_metadata(path: Path) -> tuple[dict[str, object], dict[str, int]]:
+    """A GGUF's metadata: scalars and strings by key, and arrays' lengths by key (a vocabulary of 49k tokens is
+    counted, not parsed). For files read_tensors accepted, whose header is whole."""
+    values, lengths = {}, {}
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        cursor = _Cursor(data)
+        cursor.at = 16  # past the magic, the version and the tensor count
+        for _ in range(cursor.scalar("Q")):
+            key, kind = cursor.string(), cursor.scalar("I")
+            if kind == _STRING:
+                values[key] = cursor.string()
+            elif kind == _ARRAY:
+                lengths[key] = struct.unpack_from("<Q", data, cursor.at + 4)[0]  # after the element type
+                cursor.skip_value(kind)
+            else:
+                values[key] = cursor.scalar(_SCALARS[kind])
+    return values, lengths
+
+
 def gguf_tensor_types(path: Path) -> dict[str, int]:
     """How many tensors of each type a GGUF file holds, most common first: what a user's file is made of."""
     return dict(Counter(tensor.kind for tensor in read_tensors(path)[1]).most_common())

@@ -8,9 +8,13 @@ engine keeps its float kernels (engine.model.packed, engine.model.attention's fl
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
+import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -19,6 +23,8 @@ HERE = Path(__file__).parent
 SOURCES = sorted(str(source) for source in HERE.glob("*.cpp"))  # each includes kernels.h, from HERE
 # No contraction the source does not ask for; OpenMP, without which every kernel runs on one thread.
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+SILENT_S = 2.0  # a load of the cached build takes less: longer means it compiles
+PROGRESS_S = 15.0
 
 
 @functools.cache
@@ -29,12 +35,38 @@ def unavailable_reason() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="eagle_cpu_kernels", sources=SOURCES, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-             extra_include_paths=[str(HERE)], is_python_module=False)
+        with _said_while_building():
+            load(name="eagle_cpu_kernels", sources=SOURCES, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                 extra_include_paths=[str(HERE)], is_python_module=False)
     except (OSError, RuntimeError, ImportError) as err:  # no compiler, no ninja, a failed build
         log.warning("engine/model/kernels could not be built, the float kernels stay: %s", str(err).splitlines()[0])
         return f"building engine/model/kernels failed: {str(err).splitlines()[0]}"
     return None
+
+
+@contextlib.contextmanager
+def _said_while_building() -> Iterator[None]:
+    """Log what a first start spends its first minute on: a build (a cached one loads in well under SILENT_S) is
+    announced, then its progress every PROGRESS_S, so that a start that compiles is never silent."""
+    done, start = threading.Event(), time.monotonic()
+
+    def report() -> None:
+        if done.wait(SILENT_S):
+            return
+        log.info("compiling the engine's C++ kernels (engine/model/kernels, %d files): once per version, about a "
+                 "minute on 2 cores", len(SOURCES))
+        while not done.wait(PROGRESS_S):
+            log.info("still compiling the kernels: %.0f s so far", time.monotonic() - start)
+
+    reporter = threading.Thread(target=report, name="kernel-build", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        done.set()
+        reporter.join()
+        if time.monotonic() - start > SILENT_S:
+            log.info("kernels compiled in %.0f s (kept in torch's extension cache)", time.monotonic() - start)
 
 
 def available() -> bool:
