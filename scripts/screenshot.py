@@ -1,4 +1,5 @@
-"""Take the README screenshot from the real app: start `python app.py`, ask one question, capture the page.
+"""Take the README screenshot from the real app: start `python app.py` on a fresh data folder, keep a first chat,
+answer a question in a second one, open its figures, capture the page.
 
     python -m scripts.screenshot [--out assets/screenshot.png] [--max-new-tokens 96] [-- app.py options]
 """
@@ -13,6 +14,7 @@ from playwright.sync_api import sync_playwright
 from app.browser import ROOT, launch_chromium, open_app, send, set_number, start_app, stop_app, wait_for_answer
 
 PROMPT = "Explain what a hash table is, with a small Python example."
+FIRST_CHAT = "Name the three primary colours."
 MAX_BYTES = 300_000
 
 
@@ -23,14 +25,21 @@ def main() -> None:
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("app_args", nargs="*", help="extra app.py options, after --")
     args = parser.parse_args()
-    log = Path(tempfile.mkdtemp()) / "app.log"
-    process, url = start_app(*args.app_args, log=log)
+    folder = Path(tempfile.mkdtemp())
+    process, url = start_app("--data-dir", str(folder), *args.app_args, log=folder / "app.log")
     try:
         with sync_playwright() as playwright:
             browser = launch_chromium(playwright)
             page = open_app(browser, url, width=1280, height=860)
+            set_number(page, "max-new-tokens", 24)
+            wait_for_answer(page, send(page, FIRST_CHAT), timeout_s=600)
+            page.click("#new-chat")
+            page.wait_for_function("() => !document.querySelector('#chat div.eagle-msg')")
             set_number(page, "max-new-tokens", args.max_new_tokens)
             wait_for_answer(page, send(page, args.prompt), timeout_s=600)
+            page.wait_for_function("() => document.querySelectorAll('#history label').length === 2")
+            page.locator("#chat details.reply-figures summary").last.click()
+            page.evaluate("window.scrollTo(0, 0)")
             page.wait_for_selector("#engine-status .engine-status[data-active='0']")  # refreshed every second
             page.mouse.move(0, 0)  # no hover effects in the picture
             page.screenshot(path=str(args.out))

@@ -6,12 +6,13 @@ import threading
 import time
 from pathlib import Path
 
+import gradio as gr
 import pytest
 import torch
 
 from app.chat import ChatService
 from app.conversation import Conversation
-from app.history import History
+from app.history import History, owner_of
 from app.store import ChatStore
 from app.meter import SETTLING, TurnMeter
 from app.ui import ANSWER_TOKENS, EMPTY_HINT, Handlers
@@ -306,3 +307,20 @@ def test_two_sessions_at_once_each_get_their_own_answer(handlers, engine):
     for conversation, prompt, expected in zip(conversations, prompts, alone):
         messages = conversation.messages()
         assert [m["content"] for m in messages] == [prompt, expected]
+
+
+def test_whose_chats_a_page_shows(service, tmp_path):
+    """Signed-in users own their chats; on a public page without sign-in each browser owns its own; on this machine
+    alone there is one user. Two owners never see each other's chats in the list."""
+    assert owner_of(gr.Request(username="ann"), "b1", shared=True) == "user:ann"
+    assert owner_of(gr.Request(), "b1", shared=True) == "browser:b1" != owner_of(gr.Request(), "b2", shared=True)
+    assert owner_of(gr.Request(), "b1", shared=False) == owner_of(None, "", shared=False) == "local"
+    history = History(ChatStore(tmp_path / "chats.sqlite3"), shared=True)
+    handlers = Handlers(service, max_new_tokens=64, history=history)
+    for browser, text in (("b1", "Name a colour"), ("b2", "Name an animal")):
+        conversation = Conversation()
+        handlers.add_message(text, conversation)
+        list(handlers.answer(conversation, True, browser=browser, request=gr.Request(), **settings()))
+    listed = {browser: history.listing(f"browser:{browser}")["choices"] for browser in ("b1", "b2")}
+    assert [title for title, _ in listed["b1"]] == ["Name a colour"]
+    assert [title for title, _ in listed["b2"]] == ["Name an animal"]
