@@ -17,8 +17,8 @@ from engine.draft.checkpoint import DEFAULT_HEAD
 from .chat import LOAD_FAILURES, Busy, ChatService, Names, first_line
 from .figures import METHOD_NAMES
 from .models import (
-    HeadInfo, ModelFolders, ModelInfo, describe, describe_head, find_heads, find_models, head_fit, load_options,
-    loadable_path, machine_memory, memory_verdict,
+    HeadInfo, ModelFolders, ModelInfo, describe, describe_head, find_heads, find_models, head_fit, heads_for,
+    load_options, loadable_path, machine_memory, memory_verdict,
 )
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class ModelsPanel:
         if model.problem is not None:
             return info, gr.update(choices=[(NO_HEAD, NO_HEAD)], value=NO_HEAD)
         heads = sorted(self.heads(), key=lambda head: (head.path != DEFAULT_HEAD, head.kind != "eagle3", head.id))
-        fits = [(head, head_fit(head, model)) for head in heads]
+        fits = heads_for(model, heads)
         choices = [(f"{head.id} — fits ({head.kind})", str(head.path)) for head, why in fits if why is None]
         choices += [(NO_HEAD, NO_HEAD)]
         choices += [(f"{head.id} — does not fit: {why}", str(head.path)) for head, why in fits if why is not None]
@@ -106,20 +106,20 @@ class ModelsPanel:
         try:
             model, head_info = self._checked(path, head)
         except ValueError as err:
-            return _status_html(self.service, problem=str(err)), *unchanged
+            return model_status_html(self.service, problem=str(err)), *unchanged
         if not self._loading.acquire(blocking=False):
-            return _status_html(self.service, problem="another model is being loaded: wait for it"), *unchanged
+            return model_status_html(self.service, problem="another model is being loaded: wait for it"), *unchanged
         try:
             self._swap(model, head_info, progress)
         except Busy as err:
-            return _status_html(self.service, problem=f"not loaded: {err}"), *unchanged
+            return model_status_html(self.service, problem=f"not loaded: {err}"), *unchanged
         except LOAD_FAILURES as err:
             log.warning("loading %s failed: %s", model.path, err)
-            return _status_html(self.service, problem=f"{model.id} could not be loaded ({first_line(err)}); the "
+            return model_status_html(self.service, problem=f"{model.id} could not be loaded ({first_line(err)}); the "
                                 "model before keeps answering"), *unchanged
         finally:
             self._loading.release()
-        return _status_html(self.service), *self.engine_controls()
+        return model_status_html(self.service), *self.engine_controls()
 
     def _checked(self, path: str, head: str) -> tuple[ModelInfo, HeadInfo | None]:
         """The model and head to load, or ValueError saying why not, before anything is loaded."""
@@ -184,7 +184,7 @@ def description_html(service: ChatService) -> str:
             f'<p class="engine-description">{"<br>".join(map(escapeHtml, lines))}</p>')
 
 
-def _status_html(service: ChatService, problem: str | None = None) -> str:
+def model_status_html(service: ChatService, problem: str | None = None) -> str:
     names = service.names()
     engine = service.engine.description()
     state = "refused" if problem else "loaded"
@@ -192,10 +192,6 @@ def _status_html(service: ChatService, problem: str | None = None) -> str:
             f"⚠ {problem[:1].upper()}{problem[1:]}. Answering with {names.base} + {names.head or 'no head'}.")
     return (f'<div class="model-status" data-state="{state}" data-base="{escapeHtml(names.base)}" '
             f'data-head="{escapeHtml(names.head or "")}">{escapeHtml(text)}</div>')
-
-
-def model_status_html(service: ChatService) -> str:
-    return _status_html(service)
 
 
 def _size(size: int) -> str:
