@@ -83,20 +83,22 @@ class History:
         return gr.update(choices=[(chat.title, chat.id) for chat in chats],
                          value=selected if any(chat.id == selected for chat in chats) else None)
 
-    def save(self, conversation: Conversation, owner: str) -> None:
-        """Keep the conversation as it stands (called when an answer ends, however it ended)."""
+    def save(self, conversation: Conversation, owner: str) -> StoredChat | None:
+        """Keep the conversation as it stands (called when an answer ends, however it ended); the chat as kept."""
         if not conversation.turns:
-            return
+            return None
         if conversation.chat_id is None:
             conversation.chat_id = self.store.create(owner)
         self.store.save(conversation.chat_id, owner, conversation.records())
-        conversation.title = self.store.load(conversation.chat_id, owner).title
-
-    def exports(self, conversation: Conversation, owner: str) -> tuple[dict, dict]:
-        """The two download buttons, holding the saved chat as Markdown and as JSON (greyed out before it is saved)."""
-        if conversation.chat_id is None:
-            return gr.update(value=None, interactive=False), gr.update(value=None, interactive=False)
         chat = self.store.load(conversation.chat_id, owner)
+        conversation.title = chat.title
+        return chat
+
+    @staticmethod
+    def exports(chat: StoredChat | None) -> tuple[dict, dict]:
+        """The two download buttons, holding a kept chat as Markdown and as JSON (greyed out for one not kept yet)."""
+        if chat is None:
+            return gr.update(value=None, interactive=False), gr.update(value=None, interactive=False)
         folder = EXPORTS / uuid.uuid4().hex  # one folder per export: a file name is the chat's title
         folder.mkdir(parents=True)
         name = _file_name(chat.title)
@@ -107,9 +109,9 @@ class History:
 
     def after_answer(self, conversation: Conversation, owner: str) -> tuple[dict, dict, dict, str, str]:
         """Save, then what the page shows of it: the list, the title, the export buttons, the store's state."""
-        self.save(conversation, owner)
-        return (self.listing(owner, conversation.chat_id), *self.exports(conversation, owner),
-                conversation.title, self.saving_html())
+        chat = self.save(conversation, owner)
+        return (self.listing(owner, conversation.chat_id), *self.exports(chat), conversation.title,
+                self.saving_html())
 
     # Page events ---------------------------------------------------------------------------------------------
     def open_page(self, browser: str, request: gr.Request):
@@ -132,14 +134,14 @@ class History:
             gr.Warning("That chat is no longer there.")
             return conversation, gr.skip(), self.listing(owner, conversation.chat_id), gr.skip(), gr.skip(), gr.skip()
         opened = _conversation(chat, provenance)
-        return (opened, opened.shown(), gr.skip(), *self.exports(opened, owner), opened.title)
+        return (opened, opened.shown(), gr.skip(), *self.exports(chat), opened.title)
 
     def new_chat(self, conversation: Conversation, browser: str, request: gr.Request):
         if conversation.busy:
             gr.Warning("An answer is still being written: wait for it or press Stop first.")
             return conversation, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         owner = self.owner(request, browser)
-        return (Conversation(), [], self.listing(owner), *self.exports(Conversation(), owner), "")
+        return (Conversation(), [], self.listing(owner), *self.exports(None), "")
 
     def rename(self, title: str, conversation: Conversation, browser: str, request: gr.Request):
         owner = self.owner(request, browser)
@@ -164,7 +166,7 @@ class History:
                 self.store.delete(conversation.chat_id, owner)
             except KeyError:
                 pass  # gone already: the page shows the list as it is
-        return (Conversation(), [], self.listing(owner), *self.exports(Conversation(), owner), "")
+        return (Conversation(), [], self.listing(owner), *self.exports(None), "")
 
     def upload(self, data: bytes, conversation: Conversation, provenance: bool, browser: str, request: gr.Request):
         """Import a chat exported as JSON (here or on another machine) as a new chat, and open it."""
@@ -177,8 +179,9 @@ class History:
         except ValueError as err:
             gr.Warning(f"That file cannot be imported: {err}")
             return conversation, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        opened = _conversation(self.store.load(chat_id, owner), provenance)
-        return (opened, opened.shown(), self.listing(owner, chat_id), *self.exports(opened, owner), opened.title)
+        chat = self.store.load(chat_id, owner)
+        opened = _conversation(chat, provenance)
+        return (opened, opened.shown(), self.listing(owner, chat_id), *self.exports(chat), opened.title)
 
 
 def _conversation(chat: StoredChat, provenance: bool) -> Conversation:

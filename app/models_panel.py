@@ -6,6 +6,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,18 +143,14 @@ class ModelsPanel:
 
     def _swap(self, model: ModelInfo, head: HeadInfo | None, progress: gr.Progress) -> None:
         """service.swap on a thread of its own, the progress bar moving meanwhile at the pace the file's size sets."""
-        outcome: list[BaseException | None] = []
         options, names = load_options(self.service.options, model, head), Names(model.id, head and head.id)
-        worker = threading.Thread(target=lambda: outcome.append(_attempt(self.service.swap, options, names)),
-                                  daemon=True)
         start, expected_s = time.monotonic(), 2 + model.size / LOAD_RATE
-        worker.start()
-        while worker.is_alive():
-            elapsed = time.monotonic() - start
-            progress(1 - math.exp(-elapsed / expected_s), desc=f"Loading {model.id}: {elapsed:.0f} s")
-            worker.join(LOAD_POLL_S)
-        if outcome[0] is not None:
-            raise outcome[0]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="load") as pool:
+            loading = pool.submit(self.service.swap, options, names)
+            while not wait([loading], timeout=LOAD_POLL_S).done:
+                elapsed = time.monotonic() - start
+                progress(1 - math.exp(-elapsed / expected_s), desc=f"Loading {model.id}: {elapsed:.0f} s")
+        loading.result()  # a failed load's error, raised here
         log.info("loaded %s with head %s", model.path, head.path if head else None)
 
     def engine_controls(self):
@@ -162,14 +159,6 @@ class ModelsPanel:
         length = self.service.engine.max_context
         return (description_html(self.service), gr.update(choices=_method_choices(methods), value=methods[0]),
                 gr.update(maximum=length))
-
-
-def _attempt(function, *args) -> BaseException | None:
-    try:
-        function(*args)
-    except BaseException as err:  # handed to the page's thread, which says what failed
-        return err
-    return None
 
 
 def _method_choices(methods: tuple[str, ...]) -> list[tuple[str, str]]:

