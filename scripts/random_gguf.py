@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engine.tools.tiny_gguf import write_gguf
+from engine.testing.tiny_gguf import write_gguf
 
 SHAPES = {
     # TinyLlama 1.1B's shape

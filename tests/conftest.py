@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random-weight base models of several shapes and families (engine/tools/tiny.py), with random
+"""Shared fixtures: tiny random-weight base models of several shapes and families (engine/testing/tiny.py), with random
 draft heads."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from engine.draft.drafter import Drafter
 from engine.draft.tree import DynamicTree
 from engine.decode.gate import HeadGate
 from engine.model.packed import packable_dtypes
-from engine.tools.tiny import (  # noqa: F401  (the tests import the tiny models from here)
+from engine.testing.tiny import (  # noqa: F401  (the tests import the tiny models from here)
     BRANCHING, SHAPES, VOCAB, IdsOnlyTokenizer, random_head, tiny_base, tokens_of,
 )
 from oracles import int8_reference, randomized_pit, target_probs

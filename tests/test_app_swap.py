@@ -17,8 +17,8 @@ from app.models_panel import ModelsPanel
 from engine import DecodeParams, Engine, LoadOptions
 from engine.draft.checkpoint import CheckpointError, save_head
 from engine.model import kernels
-from engine.tools.tiny import random_head, tiny_base
-from engine.tools.tiny_gguf import GGUF_SHAPES, GGUF_VOCAB, tiny_gguf
+from engine.testing.tiny import random_head, tiny_base
+from engine.testing.tiny_gguf import GGUF_SHAPES, GGUF_VOCAB, tiny_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
 HELLO = [{"role": "user", "content": "hello there"}]

@@ -17,7 +17,7 @@ from app.browser import (  # noqa: E402
 from engine import DecodeParams, Engine  # noqa: E402
 from engine.draft.checkpoint import save_head  # noqa: E402
 from engine.model.load import embedded_gguf_path  # noqa: E402
-from engine.tools.tiny import random_head, tiny_base  # noqa: E402
+from engine.testing.tiny import random_head, tiny_base  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} missing: apt-get install chromium")
 SHORT = 12  # tokens per answer

@@ -16,8 +16,8 @@ from engine.model import kernels
 from engine.model.load import load_base
 from engine.model.quant import QuantLinear
 from engine.tools import tiny_gguf
-from engine.tools.tiny import tiny_base
-from engine.tools.tiny_gguf import GGUF_VOCAB, write_gguf
+from engine.testing.tiny import tiny_base
+from engine.testing.tiny_gguf import GGUF_VOCAB, write_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
 WIDE = {"llama": "llama-h256-l3", "qwen2": "qwen2-h256-l3", "gemma3": "gemma3-h256-l6-swa"}

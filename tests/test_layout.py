@@ -1,4 +1,5 @@
-"""The package layout draws the architecture: model/ ← draft/ ← decode/ ← the facade ← tools/ and train/ ← app/.
+"""The package layout draws the architecture: the progress bar ← model/ ← draft/ ← decode/ ← the facade ← train/ and
+testing/ ← tools/ ← app/.
 Each layer imports only the layers below it, so a part can be read, tested and replaced without the ones above."""
 import ast
 import sys
@@ -10,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "engine"
 # The rank of each part of engine/: a module may import its own rank or lower ones (engine/bench.py is the
 # `python -m engine.bench` entry point into tools/).
-RANKS = {"model": 0, "draft": 1, "decode": 2, "engine": 3, "options": 3, "__init__": 3, "bench": 4,
-         "tools": 4, "train": 4}
+RANKS = {"progress": 0, "model": 1, "draft": 2, "decode": 3, "engine": 4, "options": 4, "__init__": 4, "train": 5,
+         "testing": 5, "tools": 6, "bench": 6}
 
 
 def part_of(module: str) -> str:
@@ -61,15 +62,22 @@ def test_engine_imports_nothing_above_its_layer(path):
 
 
 def test_the_top_of_engine_holds_only_the_facade():
-    assert sorted(p.name for p in ENGINE.glob("*.py")) == ["__init__.py", "bench.py", "engine.py", "options.py"]
+    assert sorted(p.name for p in ENGINE.glob("*.py")) == ["__init__.py", "bench.py", "engine.py", "options.py", "progress.py"]
 
 
-def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
-    """The check itself: a model/ module importing the decode loop is caught."""
-    fake = tmp_path / "engine" / "model" / "bad.py"
-    fake.parent.mkdir(parents=True)
-    fake.write_text("from ..decode.loop import decode\nfrom . import quant\n")
+PLANTED = [("model/bad.py", "from ..decode.loop import decode\nfrom . import quant\n", "engine.decode.loop"),
+           ("train/bad.py", "from ..tools.bench import main\n", "engine.tools.bench"),
+           ("testing/bad.py", "from engine.tools import runs\n", "engine.tools.runs"),
+           ("progress.py", "from .model import load\n", "engine.model.load")]
+
+
+@pytest.mark.parametrize("where, source, caught", PLANTED, ids=[p[0] for p in PLANTED])
+def test_the_checker_sees_a_planted_upward_import(tmp_path, monkeypatch, where, source, caught):
+    """The check itself: an import from a higher rank, planted in a copy of the layout, is caught by name."""
+    fake = tmp_path / "engine" / where
+    fake.parent.mkdir(parents=True, exist_ok=True)
+    fake.write_text(source)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert "engine.decode.loop" in imported_modules(fake)
-    with pytest.raises(AssertionError, match="above its layer"):
+    assert caught in imported_modules(fake)
+    with pytest.raises(AssertionError, match=f"above its layer: .*{caught}"):
         test_engine_imports_nothing_above_its_layer(fake)

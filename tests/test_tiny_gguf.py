@@ -1,4 +1,4 @@
-"""Tiny models as real GGUF files (engine/tools/tiny.py): the K-quant encoders give blocks that gguf-py and
+"""Tiny models as real GGUF files (engine/testing/tiny.py): the K-quant encoders give blocks that gguf-py and
 transformers decode alike and close to the weights, and each architecture's file reads back in transformers as the
 same model, its weights exactly (float32) or as their blocks dequantize, with a working tokenizer."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from gguf.quants import Q4_K, dequantize
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from transformers.integrations.gguf.dequant import dequantize as transformers_dequantize
 
-from engine.tools.tiny import tiny_base
-from engine.tools.tiny_gguf import (
+from engine.testing.tiny import tiny_base
+from engine.testing.tiny_gguf import (
     ARCHITECTURES, GGUF_PY_KINDS, GGUF_SHAPES, GGUF_VOCAB, K_QUANTS, SPECIALS, quantize_blocks, quantize_k, tiny_gguf,
     tiny_vocabulary, write_gguf,
 )

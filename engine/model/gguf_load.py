@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from . import gguf_cache
+from ..progress import progress_bar
 from .gguf_tensors import TensorBlocks, gguf_name, read_tensors, tensor_names
 from .groups import groups_from_blocks, quantize
 from .quant import GroupedEmbedding, QuantLinear, float_kernel_takes
@@ -76,7 +76,7 @@ class _Filler:
         embedding = self.stored.get(self._gguf_name(f"{self._name_of(table)}.weight") or "")
         linears = [(parent, name, child) for parent in self.model.modules() for name, child in parent.named_children()
                    if type(child) is nn.Linear]
-        for parent, name, child in tqdm(linears, desc="building the model", unit="matrix", leave=False):
+        for parent, name, child in progress_bar(iterable=linears, desc="building the model", unit="matrix", leave=False):
             setattr(parent, name, self._linear(child, embedding if child is head else None))
         head = self.model.get_output_embeddings()
         self.model.set_input_embeddings(self._embedding(table, embedding, head))

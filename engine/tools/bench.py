@@ -75,7 +75,7 @@ from ..options import LoadOptions
 from ..draft.export_gguf import cached_export
 from ..model.gguf_cache import cache_root
 from .llamacpp import EAGLE3_METHOD, Eagle3Draft, LlamaCpp, decode_tokens_per_s, eagle3_notes, eagle3_summary
-from .progress import progress_bar
+from ..progress import progress_bar
 from .report import add_speedups, exactness_warnings, plot, print_table, summarize
 from .runs import SHARED_QUESTIONS, Run, first_turn_prompts, load_questions, run_engine, run_hf
 

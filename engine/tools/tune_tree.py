@@ -15,7 +15,7 @@ from ..draft.tree import DynamicTree
 from ..engine import Engine
 from ..options import LoadOptions
 from .bench import parse_sizes
-from .progress import progress_bar
+from ..progress import progress_bar
 from .report import summarize
 from .runs import SHARED_QUESTIONS, first_turn_prompts, load_questions, run_engine
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..engine import encode_messages, has_chat_template, oldest_turns_dropped
-from ..tools.progress import progress_bar
+from ..progress import progress_bar
 from .generation import generate_replies
 from ..draft.records import load_records
 

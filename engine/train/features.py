@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from ..model.cache import GrowingCache
 from ..draft.eagle3 import fused_layers
-from ..tools.progress import progress_bar
+from ..progress import progress_bar
 from ..model.quant import kv_dtype
 
 CHUNK = 64  # conversations per cache file

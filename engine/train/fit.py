@@ -21,7 +21,7 @@ from accelerate import Accelerator
 
 from ..draft.checkpoint import save_head
 from ..draft.head import DraftHead
-from ..tools.progress import progress_bar
+from ..progress import progress_bar
 from ..model.packed import PackedLinear
 from ..model.quant import QuantLinear
 

@@ -1,10 +1,10 @@
 """Break the engine on purpose, one mutant at a time, and check that the tests notice (not run in CI).
 
-    python -m engine.tools.mutants              # every mutant, each stopping at the first failing test
-    python -m engine.tools.mutants renorm --all  # the ones named, listing every test that fails
-    python -m engine.tools.mutants wrong-features --tests tests/test_tau_regression.py   # other tests than its own
-    python -m engine.tools.mutants --head        # on the last commit, not on the working tree
-    python -m engine.tools.mutants --list
+    python -m scripts.mutants              # every mutant, each stopping at the first failing test
+    python -m scripts.mutants renorm --all  # the ones named, listing every test that fails
+    python -m scripts.mutants wrong-features --tests tests/test_tau_regression.py   # other tests than its own
+    python -m scripts.mutants --head        # on the last commit, not on the working tree
+    python -m scripts.mutants --list
 
 Each mutant is (file, exact source snippet, replacement, tests that should catch it). The working tree (tracked
 files and untracked ones git does not ignore), or with --head the last commit, is copied once to a temporary
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SAMPLING = "tests/test_sampling.py"
 TREE = "tests/test_tree.py"
 DEEP = "tests/test_deep_trees.py"
@@ -217,7 +217,7 @@ def run(root: Path, chosen: list[Mutant], every_test: bool, timeout: float) -> i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.mutants", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.mutants", description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--all", action="store_true", help="run every test of a mutant, not up to the first failure")

@@ -1,6 +1,6 @@
 """Tiny random-weight base models of several shapes and families, with random draft heads: what the test suite and
 the GPU check (engine/tools/gpu_check.py) decode with when exactness, not quality, is being checked. No weights to
-download: every model is built from a seed. engine/tools/tiny_gguf.py writes them as GGUF files."""
+download: every model is built from a seed. engine/testing/tiny_gguf.py writes them as GGUF files."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Tiny models (engine/tools/tiny.py) as real GGUF files (`write_gguf`, `tiny_gguf`), laid out as llama.cpp's
+"""Tiny models (engine/testing/tiny.py) as real GGUF files (`write_gguf`, `tiny_gguf`), laid out as llama.cpp's
 converter writes one and with a tiny tokenizer of the kind it writes, so what a user's own GGUF goes through
 (loading, training a head, decoding) runs on every architecture in seconds; `quantize_blocks` encodes weights in the
 GGUF types, K-quants included. Apart from tiny.py, which the GPU check imports where the gguf package is absent."""

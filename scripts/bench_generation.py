@@ -4,7 +4,7 @@ The baseline is transformers' own batched generation: left-padded batches of pro
 transformers' DynamicCache growing by concatenation every step, on the packed model. Both sides get the
 same ShareGPT prompts and the same token budget; rounds alternate so that a change in machine load hits both.
 
-    python -m engine.tools.bench_generation --limit 64 --max-new-tokens 256 --rounds 2
+    python -m scripts.bench_generation --limit 64 --max-new-tokens 256 --rounds 2
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ..model.load import load_base, load_tokenizer
-from ..model.packed import pack_linears
-from ..train.data import read_conversations, select_prompts, stop_ids
-from ..train.generation import generate_replies, prepare_model
+from engine.model.load import load_base, load_tokenizer
+from engine.model.packed import pack_linears
+from engine.train.data import read_conversations, select_prompts, stop_ids
+from engine.train.generation import generate_replies, prepare_model
 
 
 @torch.inference_mode()
@@ -49,7 +49,7 @@ def timed(run) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.bench_generation", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_generation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=64, help="ShareGPT prompts (the data command's selection)")
     parser.add_argument("--max-new-tokens", type=int, default=256)

@@ -1,7 +1,7 @@
 """The q4 kernels' AVX-512 path against their 8-lane AVX2 path, alternated in one process (the machine's drift hits
 both alike): single matmuls of the embedded model's shapes, then whole answers of the default engine.
 
-    python -m engine.tools.avx512_ab [--questions N] [--reps R]
+    python -m scripts.avx512_ab [--questions N] [--reps R]
 
 The two paths give the same bits (tests/test_quant.py); this measures what the wider one buys on this CPU.
 """
@@ -14,11 +14,11 @@ from statistics import mean
 
 import torch
 
-from .. import DecodeParams, Engine
-from ..model import kernels
-from ..model.groups import quantize
-from ..model.quant import QuantLinear
-from .runs import SHARED_QUESTIONS, first_turn_prompts, load_questions
+from engine import DecodeParams, Engine
+from engine.model import kernels
+from engine.model.groups import quantize
+from engine.model.quant import QuantLinear
+from engine.tools.runs import SHARED_QUESTIONS, first_turn_prompts, load_questions
 
 SHAPES = (("Q4_1", 1536, 576), ("Q4_1", 576, 576), ("Q8_0", 49152, 576))  # FFN, attention, LM head
 
@@ -75,7 +75,7 @@ def _timed(wide: bool, function, *args):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.avx512_ab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.avx512_ab", description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=4, help="MT-bench questions for the whole answers")
     parser.add_argument("--reps", type=int, default=3, help="alternations of the two paths")
     args = parser.parse_args()

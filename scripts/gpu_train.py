@@ -11,10 +11,10 @@ embedded GGUF, the ShareGPT file and the head are each larger than one such file
                    write the head and the records in returnable pieces
   unpack  (here)   join the head (checked against its SHA-256) and the records into one file (engine.draft.records)
 
-    python -m engine.train.gpu pack
-    python -m engine.train.gpu run --parts runs/gpu /tmp/carry --out $OUT --minutes 9     # on the GPU
-    python -m engine.train.gpu unpack --files FILES_AT --out runs/head-gpu
-    python -m engine.train.gpu smoke       # all three on this CPU with tiny settings (a few minutes)
+    python -m scripts.gpu_train pack
+    python -m scripts.gpu_train run --parts runs/gpu /tmp/carry --out $OUT --minutes 9     # on the GPU
+    python -m scripts.gpu_train unpack --files FILES_AT --out runs/head-gpu
+    python -m scripts.gpu_train smoke       # all three on this CPU with tiny settings (a few minutes)
 
 Replies come from the GGUF's dequantized float32 weights in transformers' forward, while the engine on the CPU
 decodes the same groups with int8 activations: their greedy tokens agree at most reply positions, so the data is the
@@ -35,16 +35,16 @@ from pathlib import Path
 
 import torch
 
-from ..draft.records import load_records, save_records
-from ..model.gguf_cache import sha256
-from ..model.load import embedded_gguf_path, load_model, load_tokenizer
-from .data import read_conversations, select_prompts, stop_ids
-from .fit import FitConfig
-from .generation import GROUPED_ATTENTION, BatchGenerator
-from .pipeline import fit_head
+from engine.draft.records import load_records, save_records
+from engine.model.gguf_cache import sha256
+from engine.model.load import embedded_gguf_path, load_model, load_tokenizer
+from engine.train.data import read_conversations, select_prompts, stop_ids
+from engine.train.fit import FitConfig
+from engine.train.generation import GROUPED_ATTENTION, BatchGenerator
+from engine.train.pipeline import fit_head
 
-ROOT = Path(__file__).resolve().parents[2]
-COMMAND = "python -m engine.train.gpu"
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = "python -m scripts.gpu_train"
 
 MIB = 2**20
 CALL_MIB = 64  # what one device call takes, this checkout included
@@ -190,7 +190,7 @@ def call_command(carried: list[Path], last: bool) -> str:
         return f"mkdir -p {STAGING} && cp {' '.join(shown(f) for f in carried)} {STAGING}/"
     folder = shown(carried[-1].parent)
     return (f"python3 -m pip install -q --no-index --no-deps --target /tmp/site {folder}/{WHEELS}/*.whl && "
-            f"export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 && set -o pipefail && python3 -m engine.train.gpu run "
+            f"export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 && set -o pipefail && python3 -m scripts.gpu_train run "
             f"--parts {folder} {STAGING} --out $OUT --minutes {Budget.minutes:g} 2>&1 | tee $OUT/log")
 
 
