@@ -27,8 +27,8 @@ from engine import LoadOptions
 from engine.draft.checkpoint import WEIGHT_FILES, ASSETS, CheckpointError, check_fits, read_checkpoint, read_layout
 from engine.draft.config import HeadConfig
 from engine.model.gguf_cache import cache_root
-from engine.model.gguf_load import DIRECT
-from engine.model.gguf_tensors import TensorBlocks, gguf_tensor_types, read_metadata, read_tensors
+from engine.model.gguf_load import why_not_direct
+from engine.model.gguf_tensors import GgufFile, TensorBlocks, read_metadata
 from engine.model.load import DEFAULT_BASE, embedded_gguf_path
 from engine.model.named import NAMED as NAMED_MODELS, named_gguf
 
@@ -264,39 +264,25 @@ def _read_gguf(path: Path, size: int, mtime_ns: int) -> ModelInfo:
     """A GGUF file described from its header (id and source are the caller's). Cached by size and modification
     time: listing again reads nothing, a replaced file is read anew."""
     try:
-        architecture, tensors = read_tensors(path)  # refuses a file that is not GGUF, damaged or cut short
+        gguf = GgufFile.open(path)  # refuses a file that is not GGUF, damaged or cut short
         values, lengths = read_metadata(path)
     except OSError as err:
         return ModelInfo(path.name, path, "", size, problem=f"cannot read {path}: {err.strerror}")
     except ValueError as err:
         return ModelInfo(path.name, path, "", size, problem=str(err))
-    stated = {key.removeprefix(f"{architecture}."): value for key, value in values.items()}
+    stated = {key.removeprefix(f"{gguf.architecture}."): value for key, value in values.items()}
     context = stated.get("context_length")
-    why_not_fast = _why_not_fast(architecture, tensors)
-    weights = size if why_not_fast is None else FLOAT32_BYTES * sum(math.prod(t.shape) for t in tensors)
+    why_not_fast = why_not_direct(gguf)  # the loader's own condition: built straight onto the kernels, run fused
+    weights = size if why_not_fast is None else FLOAT32_BYTES * sum(math.prod(t.shape) for t in gguf.tensors)
     return ModelInfo(
-        path.name, path, "", size, architecture=architecture, tensor_types=gguf_tensor_types(path),
+        path.name, path, "", size, architecture=gguf.architecture, tensor_types=gguf.tensor_types,
         context_length=context, hidden_size=stated.get("embedding_length"), layers=stated.get("block_count"),
-        vocab_size=_vocab_size(stated, lengths, tensors), fast=why_not_fast is None, why_not_fast=why_not_fast,
+        vocab_size=_vocab_size(stated, lengths, gguf.tensors), fast=why_not_fast is None, why_not_fast=why_not_fast,
         memory=weights + _kv_cache_bytes(stated, context) + RUNTIME_BYTES)
 
 
-def _why_not_fast(architecture: str, tensors: list[TensorBlocks]) -> str | None:
-    """Why engine.model.gguf_load.loads_directly refuses the file, in words (None: it builds it onto the kernels,
-    where the fused decoder runs it)."""
-    reasons = []
-    if architecture not in DIRECT:
-        reasons.append(f"architecture {architecture or '(none stated)'} is not one of {', '.join(DIRECT)}: it runs "
-                       "through transformers' layers")
-    unread = Counter(tensor.kind for tensor in tensors if tensor.blocks is None)
-    if unread:
-        reasons.append(", ".join(f"{count} {kind}" for kind, count in unread.items())
-                       + " tensors, which the int8 kernels do not read: those layers run on transformers' float32 "
-                       "dequantization")
-    return "; ".join(reasons) or None
-
-
-def _vocab_size(stated: dict[str, object], lengths: dict[str, int], tensors: list[TensorBlocks]) -> int | None:
+def _vocab_size(stated: dict[str, object], lengths: dict[str, int],
+                tensors: tuple[TensorBlocks, ...]) -> int | None:
     """The vocabulary as transformers' config reads it (what a head must match): {arch}.vocab_size, else the
     tokenizer's token count; else the token embedding's rows."""
     embedding = next((t.shape[-1] for t in tensors if t.name == "token_embd.weight" and len(t.shape) == 2), None)

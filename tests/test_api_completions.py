@@ -23,7 +23,7 @@ def engine() -> Engine:
     tokenizer = load_tokenizer()
     model = tiny_base("llama-h64-l8-gqa", vocab=len(tokenizer))
     model.config.max_position_embeddings = CONTEXT
-    return Engine(model, tokenizer, random_head(model, "eagle3"), chat_template=False)
+    return Engine.over(model, tokenizer, random_head(model, "eagle3"), chat_template=False)
 
 
 def served(engine: Engine, models: dict[str, str], max_new_tokens: int | None = None) -> openai.OpenAI:

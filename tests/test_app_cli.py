@@ -64,7 +64,7 @@ def test_a_load_error_stops_the_app_with_one_clear_line(main_module, monkeypatch
     (["--corpus", "default", "/x.npz"], '--corpus takes "default", "none" or files, not a mix'),
 ])
 def test_a_bad_corpus_stops_the_app_before_the_model_loads(main_module, monkeypatch, argv, message):
-    monkeypatch.setattr("engine.engine.load_base", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("engine.engine.load_target", lambda *args, **kwargs: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit, match=f"^app.py: error: {re.escape(message)}$"):
         main_module.main(argv)
 
@@ -74,7 +74,7 @@ def test_the_loaded_engine_is_out_of_the_collectors_sight(main_module, monkeypat
     from app.chat import EngineThread
     from tests.conftest import IdsOnlyTokenizer, tiny_base
 
-    engine = main_module.Engine(tiny_base("llama-h64-l8-gqa"), IdsOnlyTokenizer())
+    engine = main_module.Engine.over(tiny_base("llama-h64-l8-gqa"), IdsOnlyTokenizer())
     monkeypatch.setattr(main_module.Engine, "from_options", lambda *args, **kwargs: engine)
     try:
         service = main_module.load_service(main_module.parse_args([]), EngineThread())

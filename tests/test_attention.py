@@ -152,7 +152,7 @@ def _small_engine(dtype: torch.dtype, kernels: str) -> Engine:
         num_key_value_heads=1, max_position_embeddings=512,
     )
     model = LlamaForCausalLM(config).to(dtype).eval().requires_grad_(False)
-    return Engine(model, IdsOnlyTokenizer(), pack=True, kernels=kernels)
+    return Engine.over(model, IdsOnlyTokenizer(), pack=True, kernels=kernels)
 
 
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
@@ -161,7 +161,7 @@ def _small_engine(dtype: torch.dtype, kernels: str) -> Engine:
     pytest.param(torch.float32, "int8", marks=NEEDS_KERNELS)])
 def test_packed_cpu_forward_scores_a_tree_exactly_as_decoding_does(dtype, kernel_choice):
     engine = _small_engine(dtype, kernel_choice)
-    assert engine.kernels == kernel_choice and engine.wide_attention
+    assert engine.kernels == kernel_choice and engine.batch_invariant
     expected = FIXED_ORDER if dtype == torch.float32 and kernels.available() else NAME
     assert engine.model.config._attn_implementation == expected
     target, cache = engine.target, engine.target.new_cache()

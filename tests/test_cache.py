@@ -119,7 +119,7 @@ def test_the_grouped_kernels_keep_a_float16_cache(kernel_choice, pack, cached, p
     layer's keys are the model's float32 keys rounded once; float layers keep the model's dtype, as transformers."""
     if pack and not kernels.available():
         pytest.skip("engine/model/kernels unavailable: no fixed-order attention")
-    engine = Engine(tiny_base("llama-h64-l8-gqa"), IdsOnlyTokenizer(), pack=pack, kernels=kernel_choice)
+    engine = Engine.over(tiny_base("llama-h64-l8-gqa"), IdsOnlyTokenizer(), pack=pack, kernels=kernel_choice)
     cache = engine.target.new_cache()
     engine.target.forward(torch.tensor(prompt), cache)
     assert {layer.keys.dtype for layer in cache.layers} == {layer.values.dtype for layer in cache.layers} == {cached}

@@ -1,5 +1,7 @@
 """Official EAGLE checkpoint layouts load and decode losslessly; saving round-trips; bad files are refused."""
 import json
+import re
+import struct
 
 import pytest
 import torch
@@ -75,7 +77,7 @@ def model():
 def test_official_layout_loads_and_decodes_losslessly(writer, model, tmp_path, prompt):
     writer(model, tmp_path / "head", torch.Generator().manual_seed(0))
     head = load_head(tmp_path / "head", model)
-    engine = Engine(model, IdsOnlyTokenizer(), head)
+    engine = Engine.over(model, IdsOnlyTokenizer(), head)
     vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=60))
     steps = list(engine.generate(prompt, method="eagle", max_new_tokens=60))
     assert tokens_of(steps) == vanilla
@@ -103,11 +105,11 @@ def test_save_then_load_round_trips_exactly(writer, model, tmp_path, prompt):
     assert weights_mode == (tmp_path / "again" / "config.json").stat().st_mode & 0o777  # as the umask says, not 0600
     # Greedy tokens are the same for any head: what must not change is what the head computes, bit for bit, and so
     # which tokens it gets accepted.
-    engine = Engine(model, IdsOnlyTokenizer(), head)
+    engine = Engine.over(model, IdsOnlyTokenizer(), head)
     _, features = engine.target.forward(torch.tensor(prompt), engine.target.new_cache())
     logits = [_draft_logits(h, features, prompt) for h in (head, again)]
     assert torch.equal(*logits), "the reloaded head computes something else"
-    runs = [list(Engine(model, IdsOnlyTokenizer(), h).generate(prompt, method="eagle", max_new_tokens=40))
+    runs = [list(Engine.over(model, IdsOnlyTokenizer(), h).generate(prompt, method="eagle", max_new_tokens=40))
             for h in (head, again)]
     drafted = [[s.drafted for s in steps] for steps in runs]
     assert drafted[0] == drafted[1] and any(map(any, drafted[0])), "the reloaded head drafts differently"
@@ -121,11 +123,38 @@ def _draft_logits(head, features: torch.Tensor, prompt: list[int]) -> torch.Tens
     return head.logits(out)
 
 
-def test_truncated_file_is_refused_clearly(model, tmp_path):
+def _offsets_changed(data: bytes, name: str, change) -> bytes:
+    """A safetensors file's bytes with tensor `name`'s data offsets (begin, end) rewritten by `change`, the header
+    kept a multiple of 8 bytes and the data left as it is: a header that lies."""
+    (length,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8 : 8 + length])
+    header[name]["data_offsets"] = list(change(*header[name]["data_offsets"], len(data)))
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + length :]
+
+
+TRUNCATED = r"the file is truncated: \S+ ends at byte [\d,]+, but the file holds [\d,]+"
+HEAD_DAMAGES = {
+    **{f"{n}-short": (lambda data, n=n: data[:-n], TRUNCATED) for n in (1, 7, 31)},
+    "half": (lambda data: data[: len(data) // 2], TRUNCATED),
+    "span-too-long": (lambda data: _offsets_changed(data, "norm.weight", lambda begin, end, size: (begin, end + 4)),
+                      r"its header places norm\.weight at data bytes [\d,]+ to [\d,]+, but F32 \[64\] takes 256 "),
+    "moved-past-end": (lambda data: _offsets_changed(data, "norm.weight",
+                                                      lambda begin, end, size: (begin + size, end + size)),
+                       r"the file is truncated: norm\.weight ends at byte"),
+}
+
+
+@pytest.mark.parametrize("damage", HEAD_DAMAGES)
+def test_a_damaged_head_file_is_refused_by_name_and_what_is_wrong(model, tmp_path, damage):
+    """A head file cut short, or whose header places a tensor over the wrong span or past the end: refused naming
+    the file, the tensor and the fault."""
     _official_eagle3(model, tmp_path / "head", torch.Generator().manual_seed(0))
     file = tmp_path / "head" / "model.safetensors"
-    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+    cut, message = HEAD_DAMAGES[damage]
+    file.write_bytes(cut(file.read_bytes()))
+    with pytest.raises(CheckpointError, match=f"^cannot read {re.escape(str(file))}: {message}"):
         load_head(tmp_path / "head", model)
 
 
@@ -155,3 +184,15 @@ def test_missing_files_and_bad_json_are_named(model, tmp_path):
     (tmp_path / "head" / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         load_head(tmp_path / "head", model)
+
+
+def test_a_new_eagle3_heads_config_names_the_layers_it_fuses(tmp_path):
+    """As layer inputs, the field vLLM reads; loading it back fuses the same layers."""
+    from engine.draft.checkpoint import new_head
+    from engine.draft.eagle3 import fused_layers
+
+    base = tiny_base("qwen2-h32-l10-tied")
+    folder = save_head(new_head("eagle3", base.config), tmp_path / "head")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == fused_layers(10) == [2, 5, 7]
+    assert load_head(folder, base).feature_layers(10) == [2, 5, 7]

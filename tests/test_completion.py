@@ -22,7 +22,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def completing(tokenizer) -> Engine:
     model = tiny_base("llama-h64-l8-gqa", vocab=len(tokenizer))
-    return Engine(model, tokenizer, random_head(model, "eagle3"), chat_template=False)
+    return Engine.over(model, tokenizer, random_head(model, "eagle3"), chat_template=False)
 
 
 def test_a_model_without_a_chat_template_continues_the_text(completing, tokenizer):
@@ -41,8 +41,8 @@ def test_a_tokenizer_without_a_template_never_chats(tokenizer):
     model = tiny_base("llama-h64-l8-gqa", vocab=len(tokenizer))
     tokenizer_without = load_tokenizer()
     tokenizer_without.chat_template = None
-    assert not Engine(model, tokenizer_without).chats
-    assert Engine(model, tokenizer).chats
+    assert not Engine.over(model, tokenizer_without).chats
+    assert Engine.over(model, tokenizer).chats
 
 
 def test_completion_is_lossless(completing):
@@ -64,7 +64,7 @@ def page_text(engine: Engine) -> str:
 def test_the_page_says_it_is_completing(completing, tokenizer):
     page = page_text(completing)
     assert COMPLETING in page and "no chat template: completes plain text" in page
-    chatting = Engine(tiny_base("llama-h64-l8-gqa", vocab=len(tokenizer)), tokenizer)
+    chatting = Engine.over(tiny_base("llama-h64-l8-gqa", vocab=len(tokenizer)), tokenizer)
     assert "no chat template" not in page_text(chatting)
 
 

@@ -150,7 +150,7 @@ def test_corpus_options_and_a_corpus_for_another_vocabulary():
         parse_corpus(["default", "a.npz"])
     model = tiny_base("qwen2-h32-l10-tied")
     with pytest.raises(ValueError, match="tokenized for another model"):
-        Engine(model, IdsOnlyTokenizer(), corpus=CorpusIndex([[1, model.config.vocab_size]], cache=False))
+        Engine.over(model, IdsOnlyTokenizer(), corpus=CorpusIndex([[1, model.config.vocab_size]], cache=False))
     with pytest.raises(ValueError, match="corpus_share"):
         ContextDraft(corpus_share=1.5)
 

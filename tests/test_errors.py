@@ -3,6 +3,7 @@ import pytest
 
 from conftest import tiny_engine
 from engine import ContextTooLong
+from engine.testing.tiny_gguf import GGUF_DAMAGES, damaged_gguf, tiny_gguf
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +80,22 @@ def test_a_damaged_gguf_is_refused_by_name_before_it_is_parsed(tmp_path, monkeyp
     for path, message in _damaged_ggufs(tmp_path).values():
         with pytest.raises(ValueError, match=f"^{path}(:)? {message}"):
             Engine.load(str(path), head=None)
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    return tiny_gguf("llama", tmp_path_factory.mktemp("tiny"), types="Q8_0")
+
+
+@pytest.mark.parametrize("damage", GGUF_DAMAGES)
+def test_a_gguf_damaged_at_an_edge_is_refused_by_name_and_what_is_wrong(tiny_file, damage, tmp_path, monkeypatch):
+    """A few bytes short, cut inside the metadata or the tensor table, or a header that lies: refused by the reader
+    with the file and the fault named, before transformers or the kernels see a byte of it."""
+    from engine import Engine
+
+    monkeypatch.setattr("engine.model.load.AutoModelForCausalLM.from_pretrained",
+                        lambda *args, **kwargs: pytest.fail("a damaged file reached transformers"))
+    path, message = damaged_gguf(tiny_file, tmp_path, damage)
+    with pytest.raises(ValueError) as refused:
+        Engine.load(str(path), head=None)
+    assert str(refused.value).startswith(str(path)) and message in str(refused.value), str(refused.value)

@@ -142,6 +142,7 @@ def test_a_specforge_head_names_its_fused_layers_as_layer_inputs(tiny, tmp_path)
     model, target = tiny
     folder = save_head(random_head(model, "eagle3"), tmp_path / "head")
     config = json.loads((folder / "config.json").read_text())
+    del config["eagle_aux_hidden_state_layer_ids"]  # SpecForge names them in eagle_config only
     config.update(architectures=["LlamaForCausalLMEagle3"],
                   eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 5]})
     (folder / "config.json").write_text(json.dumps(config))

@@ -14,8 +14,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from engine import Engine
 from engine.model import kernels
-from engine.model.fused import why_not_fused
-from engine.model.quant import QuantLinear, quantize
+from engine.draft.fused import FusedEagle3
+from engine.model.fused import PROJECTIONS, FusedDecoder, why_not_fused
+from engine.model.groups import quantize
+from engine.model.quant import QuantLinear
 from engine.decode.round import Sequence, verify
 from engine.model.target import Target
 from engine.draft.tree import DraftTree
@@ -55,7 +57,7 @@ def assert_fused_equals_transformers(engine: Engine, prompt: list[int]) -> None:
 @pytest.mark.parametrize("kernels", ["q4", "int8"])
 def test_a_tiny_q4_llama_fused_gives_transformers_bits(kind, kernels, prompt):
     model = tiny_base("llama-h64-l8-gqa")
-    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=True, kernels=kernels)
+    engine = Engine.over(model, IdsOnlyTokenizer(), random_head(model, kind) if kind else None, pack=True, kernels=kernels)
     assert engine.target.fused.int8 == (kernels == "int8")
     assert_fused_equals_transformers(engine, prompt)
 
@@ -73,7 +75,7 @@ def test_each_family_fused_gives_transformers_bits(shape, kernels):
     """Qwen2's q, k, v biases, Qwen3's and Gemma 3's q and k norms, Gemma's norms after attention and the MLP, its
     GeGLU, embedding scale and its sliding layers' own rotary tables and window (the prompt is longer than it)."""
     model = tiny_base(shape)
-    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
+    engine = Engine.over(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
     assert engine.target.fused is not None, why_not_fused(model)
     assert_fused_equals_transformers(engine, LONG_PROMPT)
 
@@ -88,7 +90,7 @@ def test_llama_3_rope_scaling_fused_gives_transformers_bits():
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval().requires_grad_(False)
     assert model.model.rotary_emb.rope_type == "llama3"
-    engine = Engine(model, IdsOnlyTokenizer(), pack=True, kernels="int8")
+    engine = Engine.over(model, IdsOnlyTokenizer(), pack=True, kernels="int8")
     assert engine.target.fused is not None
     assert_fused_equals_transformers(engine, LONG_PROMPT)
 
@@ -100,7 +102,7 @@ def test_tree_rows_are_one_token_steps_bits_past_the_window(shape, fused):
     that decodes its path, through the fused forward and through transformers' (which is given the sliding layers'
     own mask: the tree's mask alone would let a row see keys its step does not)."""
     model = tiny_base(shape)
-    engine = Engine(model, IdsOnlyTokenizer(), pack=True, kernels="int8")
+    engine = Engine.over(model, IdsOnlyTokenizer(), pack=True, kernels="int8")
     target = engine.target if fused else Target(engine.model, None, fused=False)
     assert (target.fused is not None) == fused
     tree = target.new_cache()
@@ -120,7 +122,7 @@ def test_tree_rows_are_one_token_steps_bits_past_the_window(shape, fused):
 @pytest.mark.parametrize("kernels", ["q4", "int8"])
 def test_a_tiny_gemma_3_decodes_losslessly_past_its_window(kernels):
     model = tiny_base("gemma3-h64-l8-swa")
-    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
+    engine = Engine.over(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
     vanilla = tokens_of(engine.generate(LONG_PROMPT, method="vanilla", max_new_tokens=40))
     steps = list(engine.generate(LONG_PROMPT, method="eagle", max_new_tokens=40, **BRANCHING))
     assert tokens_of(steps) == vanilla and sum(s.accepted for s in steps) > 0
@@ -128,7 +130,7 @@ def test_a_tiny_gemma_3_decodes_losslessly_past_its_window(kernels):
 
 def test_models_it_does_not_describe_keep_transformers_forward():
     float_model = tiny_base("llama-h64-l8-gqa")
-    engine = Engine(float_model, IdsOnlyTokenizer(), pack=True)
+    engine = Engine.over(float_model, IdsOnlyTokenizer(), pack=True)
     assert engine.target.fused is None and "grouped layers" in why_not_fused(float_model)
     mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
@@ -141,7 +143,7 @@ def test_the_eagle3_heads_layer_fused_gives_its_modules_bits(kernels, kind):
     """The fused head gives its modules' bits (conftest's check), the engine's head (Q4_1, fc Q8_0) and one all in
     Q8_0, the embedding looked up before the call (a float table)."""
     model = tiny_base("llama-h64-l8-gqa")
-    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
+    engine = Engine.over(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
     for parent in list(engine.head.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, QuantLinear) and child.kind != kind:
@@ -150,12 +152,53 @@ def test_the_eagle3_heads_layer_fused_gives_its_modules_bits(kernels, kind):
     assert_fused_head_gives_its_modules_bits(engine, VOCAB, int8=kernels == "int8")
 
 
+MISNAMED = {("query" if name == "q" else name): path for name, path in PROJECTIONS.items()}  # q's weights as query.*
+
+
+@pytest.mark.parametrize("kernels", ["q4", "int8"])
+def test_the_decoder_refuses_a_misshaped_or_misnamed_weight_by_its_name_and_layer(kernels, monkeypatch):
+    """The Decoder checks its weights once, as it is built: one a feature (q4) or a tile (int8) short, or one under a
+    name the kernels do not know, is refused there, the error naming the weight and its layer; and so is a dimension
+    the Decoder does not take."""
+    engine = Engine.over(tiny_base("qwen3-h64-l9"), IdsOnlyTokenizer(), pack=True, kernels=kernels)
+    assert engine.target.fused is not None
+    projection = engine.model.model.layers[3].self_attn.k_proj
+    scales = projection.scales
+    projection.scales = scales[:-1]
+    with pytest.raises(RuntimeError, match=r"decoder layer 3: weight 'k\.scales' is .+, expected"):
+        FusedDecoder(engine.model)
+    projection.scales = scales
+    monkeypatch.setattr("engine.model.fused.PROJECTIONS", MISNAMED)
+    with pytest.raises(RuntimeError, match=r"decoder layer 0: no weight is named 'query\.codes'"):
+        FusedDecoder(engine.model)
+    with pytest.raises(RuntimeError, match=r"decoder: no dimension is named 'hiden'"):
+        torch.classes.eagle_cpu.Decoder({"hiden": 64}, 1e-6, 1.0, False, True, [], {})
+
+
+@pytest.mark.parametrize("kernels", ["q4", "int8"])
+def test_the_eagle3_head_refuses_a_misshaped_or_misnamed_weight_by_its_name(kernels, monkeypatch):
+    """As the Decoder: the fused head's fc a feature or a tile short, or its q projection's weights misnamed, are
+    refused as it is built, by name."""
+    model = tiny_base("llama-h64-l8-gqa")
+    engine = Engine.over(model, IdsOnlyTokenizer(), random_head(model, "eagle3"), pack=True, kernels=kernels)
+    assert FusedEagle3.of(engine.head) is not None
+    fc = engine.head.fc
+    scales = fc.scales
+    fc.scales = scales[:-1]
+    with pytest.raises(RuntimeError, match=r"EAGLE-3 head: weight 'fc\.scales' is .+, expected"):
+        FusedEagle3(engine.head)
+    fc.scales = scales
+    monkeypatch.setattr("engine.model.fused.PROJECTIONS", MISNAMED)
+    with pytest.raises(RuntimeError, match=r"EAGLE-3 head: no weight is named 'query\.codes'"):
+        FusedEagle3(engine.head)
+
+
 @pytest.mark.parametrize("kernels", ["float", "int8"])
 def test_a_chain_verified_causally_gives_the_bits_of_its_tree_mask(kernels, prompt):
     """verify() scores a chain (each node the child of the one before, as every tree of the CPU default is) with the
     forward's own causal mask and positions: its rows see the very keys the tree's mask shows them, so they come out
     with the same bits, on the fused int8 forward and on transformers' (float32, the fixed-order attention)."""
-    engine = Engine(tiny_base("llama-h64-l8-gqa"), IdsOnlyTokenizer(), pack=True, kernels=kernels)
+    engine = Engine.over(tiny_base("llama-h64-l8-gqa"), IdsOnlyTokenizer(), pack=True, kernels=kernels)
     assert (engine.target.fused is not None) == (kernels == "int8")
     chain = DraftTree(torch.tensor([3, 7, 8]), torch.tensor([-1, 0, 1]))
     assert chain.is_chain and not DraftTree(torch.tensor([3, 7, 8]), torch.tensor([-1, 0, 0])).is_chain

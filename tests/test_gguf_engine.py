@@ -12,10 +12,11 @@ import torch
 from conftest import BRANCHING, assert_fused_head_gives_its_modules_bits, random_head, tokens_of
 from engine import Engine
 from engine.draft.drafter import Drafter
-from engine.model import kernels
+from engine.model import gguf_tensors, kernels
+from engine.model.gguf_tensors import GgufFile
 from engine.model.load import load_base
 from engine.model.quant import QuantLinear
-from engine.tools import tiny_gguf
+from engine.testing import tiny_gguf
 from engine.testing.tiny import tiny_base
 from engine.testing.tiny_gguf import GGUF_VOCAB, write_gguf
 
@@ -30,8 +31,8 @@ PROMPT = torch.randint(0, GGUF_VOCAB, (40,), generator=torch.Generator().manual_
 
 def grouped_engine(path, head: bool = True) -> Engine:
     model, tokenizer = load_base(str(path))
-    return Engine(model, tokenizer, random_head(model, "eagle3") if head else None, pack=True, kernels="int8",
-                  gguf=path)
+    return Engine.over(model, tokenizer, random_head(model, "eagle3") if head else None, pack=True, kernels="int8",
+                       gguf=GgufFile.open(path))
 
 
 def assert_tree_rows_are_one_token_steps(engine: Engine) -> None:
@@ -116,6 +117,26 @@ def test_a_model_built_from_the_files_blocks_is_the_one_transformers_loading_giv
         tokens_of(reference.generate(ids, method="vanilla", max_new_tokens=30))
 
 
+def counted_table_reads(monkeypatch) -> list:
+    """The files whose tensor table gguf_tensors.read_tensors reads from now on, one entry a reading."""
+    reads, read = [], gguf_tensors.read_tensors
+    monkeypatch.setattr(gguf_tensors, "read_tensors", lambda path: reads.append(path) or read(path))
+    return reads
+
+
+@pytest.mark.parametrize("kernels", ["int8", "float"])
+def test_a_load_reads_the_files_tensor_table_once(tmp_path, monkeypatch, kernels):
+    """Engine.load opens the GGUF once and passes it on: on the fast path (built from the file's blocks, the
+    tokenizer, the description) and on transformers' float path alike, the table is read once."""
+    monkeypatch.setenv("EAGLE_CHAT_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tiny_base(WIDE["llama"], GGUF_VOCAB), tmp_path / "llama.gguf", Q4_K_M)
+    reads = counted_table_reads(monkeypatch)
+    engine = Engine.load(str(path), head=None, corpus=None, kernels=kernels)
+    assert engine.kernels == kernels and (engine.target.fused is not None) == (kernels == "int8")
+    assert engine.description().tensor_types == {"Q4_K": 16, "Q6_K": 7, "F32": 7}  # 3 layers, the output in Q4_K
+    assert reads == [path]
+
+
 def test_a_type_the_kernels_do_not_read_keeps_its_layer_on_the_float_path(tmp_path, monkeypatch, caplog):
     """A Q2_K matrix among Q8_0 ones: that layer runs dequantized in float32, the rest on the int8 kernels, the log
     says so, and decoding stays exact."""
@@ -133,8 +154,10 @@ def test_a_type_the_kernels_do_not_read_keeps_its_layer_on_the_float_path(tmp_pa
     monkeypatch.setattr(tiny_gguf, "quantize_blocks", with_q2_k)
     path = write_gguf(tiny_base(WIDE["llama"], GGUF_VOCAB), tmp_path / "q2k.gguf",
                       {"default": "Q8_0", "blk.1.ffn_down.weight": "Q2_K"})
+    reads = counted_table_reads(monkeypatch)
     with caplog.at_level(logging.INFO):
         engine = Engine.load(str(path), head=None, corpus=None)
+    assert reads == [path]  # the float copy's groups matched from the one table read
     assert "1 Q2_K tensors, which the int8 kernels do not read" in caplog.text
     layers = engine.model.get_decoder().layers
     assert not isinstance(layers[1].mlp.down_proj, QuantLinear) and isinstance(layers[0].mlp.down_proj, QuantLinear)

@@ -342,7 +342,7 @@ WRITERS = {
 @pytest.mark.parametrize("layout", WRITERS)
 def test_greedy_eagle_with_each_layout_equals_plain_decoding(layout, model, tmp_path, prompt):
     head = load_head(WRITERS[layout](tmp_path / "head", model), model)
-    engine = Engine(model, IdsOnlyTokenizer(), head)
+    engine = Engine.over(model, IdsOnlyTokenizer(), head)
     vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=40))
     steps = list(engine.generate(prompt, method="eagle", max_new_tokens=40, **BRANCHING))
     assert tokens_of(steps) == vanilla

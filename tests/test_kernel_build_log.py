@@ -1,9 +1,10 @@
 """A first start compiles the kernels for about a minute: the log says so and how long it has taken, where a load of
-the cached build says nothing."""
+the cached build says nothing; the build is named after its sources."""
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from engine.model import kernels
 
@@ -24,3 +25,19 @@ def test_a_long_build_is_announced_with_its_progress_and_a_quick_load_is_silent(
         with kernels._said_while_building():
             pass  # the cached build loads at once
     assert caplog.records == []
+
+
+def test_the_build_is_named_after_its_sources(tmp_path, monkeypatch):
+    """Kernels whose sources differ (an edit, another checkout) build under another name in torch's cache, so that
+    neither loads nor overwrites the other's build; the same sources keep the name."""
+    names = []
+    for copy, edit in (("same", ""), ("edited", "\n// an edit\n")):
+        folder = tmp_path / copy
+        folder.mkdir()
+        for path in map(Path, kernels.SOURCES + kernels.HEADERS):
+            (folder / path.name).write_text(path.read_text() + (edit if path.name == "kernels.h" else ""))
+        monkeypatch.setattr(kernels, "SOURCES", sorted(str(path) for path in folder.glob("*.cpp")))
+        monkeypatch.setattr(kernels, "HEADERS", sorted(str(path) for path in folder.glob("*.h")))
+        names.append(kernels.build_name())
+    monkeypatch.undo()
+    assert names[0] == kernels.build_name() != names[1]

@@ -1,4 +1,4 @@
-"""The package layout draws the architecture: the progress bar ← model/ ← draft/ ← decode/ ← the facade ← train/ and
+"""The package layout draws the architecture: the leaves (progress bar, flags) ← model/ ← draft/ ← decode/ ← the facade ← train/ and
 testing/ ← tools/ ← app/.
 Each layer imports only the layers below it, so a part can be read, tested and replaced without the ones above."""
 import ast
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "engine"
 # The rank of each part of engine/: a module may import its own rank or lower ones (engine/bench.py is the
 # `python -m engine.bench` entry point into tools/).
-RANKS = {"progress": 0, "model": 1, "draft": 2, "decode": 3, "engine": 4, "options": 4, "__init__": 4, "train": 5,
+RANKS = {"progress": 0, "flags": 0, "model": 1, "draft": 2, "decode": 3, "engine": 4, "options": 4, "__init__": 4, "train": 5,
          "testing": 5, "tools": 6, "bench": 6}
 
 
@@ -62,7 +62,7 @@ def test_engine_imports_nothing_above_its_layer(path):
 
 
 def test_the_top_of_engine_holds_only_the_facade():
-    assert sorted(p.name for p in ENGINE.glob("*.py")) == ["__init__.py", "bench.py", "engine.py", "options.py", "progress.py"]
+    assert sorted(p.name for p in ENGINE.glob("*.py")) == ["__init__.py", "bench.py", "engine.py", "flags.py", "options.py", "progress.py"]
 
 
 PLANTED = [("model/bad.py", "from ..decode.loop import decode\nfrom . import quant\n", "engine.decode.loop"),

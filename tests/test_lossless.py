@@ -9,7 +9,7 @@ from engine import DecodeParams
 from engine.draft.checkpoint import save_head
 
 NEW_TOKENS = 80
-MIN_PROB = 0.3  # the tiny random head's drafts fall on both sides of it
+MIN_PROB = 0.6  # the tiny random head's drafts fall on both sides of it
 
 
 @pytest.mark.parametrize("shape", SHAPES)

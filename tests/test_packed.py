@@ -55,7 +55,7 @@ def test_packed_engine_greedy_equals_vanilla(shape, kind, dtype, prompt):
     """bfloat16 too: the packed CPU engine computes every row alike whatever the batch (engine.model.attention)."""
     engine = tiny_engine(shape, kind, pack=True, dtype=dtype)
     assert not any(type(m) is nn.Linear for m in engine.model.modules())
-    assert engine.wide_attention
+    assert engine.batch_invariant
     if kind == "eagle1":  # packed after the head borrowed it, the base LM head is still the one it drafts through
         assert isinstance(engine.head.base_lm_head(), PackedLinear)
     vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=80))

@@ -13,10 +13,12 @@ from conftest import (
 from oracles import int8_reference
 from engine import Engine
 from engine.model import kernels
-from engine.model.gguf_tensors import read_tensors
+from engine.model.gguf_match import gguf_groups, quantize_linears
+from engine.model.gguf_tensors import GgufFile, read_tensors
 from engine.model.load import embedded_gguf_path, load_base
 from engine.model.groups import GROUP, groups_from_blocks, quantize
-from engine.model.quant import QuantLinear, gguf_groups, quantize_linears, resolve_kernels
+from engine.model.kernel_policy import resolve_kernels
+from engine.model.quant import QuantLinear
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"engine/model/kernels: {kernels.unavailable_reason()}")
 KINDS = ["Q4_1", "Q8_0"]
@@ -220,7 +222,7 @@ def test_auto_kernels_take_a_gguf_bases_own_groups_on_the_cpu(tmp_path):
 def test_grouped_engine_greedy_equals_vanilla(shape, kind, kernels, prompt):
     """Tiny models quantized to Q4_1 (the LM head Q8_0): layers whose inputs are not a multiple of 32 stay float."""
     model = tiny_base(shape)
-    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind), pack=True, kernels=kernels)
+    engine = Engine.over(model, IdsOnlyTokenizer(), random_head(model, kind), pack=True, kernels=kernels)
     assert engine.kernels == kernels and engine.quantized_layers > 0
     if model.config.hidden_size % 32 == 0:
         assert isinstance(model.get_output_embeddings(), QuantLinear)
@@ -237,7 +239,7 @@ def test_the_embedded_gguf_gives_every_linear_layer_its_groups_exactly():
     each dequantizes to the very float32 weights transformers loaded (gguf_groups checks it, layer by layer)."""
     model, _ = load_base(None, dtype="float32", device="cpu")
     linears = [m for m in model.modules() if type(m) is nn.Linear]
-    found = gguf_groups(model, embedded_gguf_path())
+    found = gguf_groups(model, GgufFile.open(embedded_gguf_path()))
     assert len(found) == len(linears) == 7 * model.config.num_hidden_layers + 1
     assert found[id(model.get_output_embeddings().weight)].kind == "Q8_0"
     assert {groups.kind for groups in found.values()} == {"Q4_1", "Q8_0"}

@@ -73,7 +73,7 @@ def test_decoder_layers_are_quantized_and_the_lm_head_is_not(quantized):
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 def test_eagle_greedy_equals_vanilla_of_the_quantized_model(quantized, kind, prompt):
     quantization, model = quantized
-    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind))
+    engine = Engine.over(model, IdsOnlyTokenizer(), random_head(model, kind))
     with largest_linear_input(model) as seen:
         vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=NEW_TOKENS))
         steps = list(engine.generate(prompt, method="eagle", max_new_tokens=NEW_TOKENS))

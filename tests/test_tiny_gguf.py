@@ -1,6 +1,7 @@
 """Tiny models as real GGUF files (engine/testing/tiny.py): the K-quant encoders give blocks that gguf-py and
 transformers decode alike and close to the weights, and each architecture's file reads back in transformers as the
-same model, its weights exactly (float32) or as their blocks dequantize, with a working tokenizer."""
+same model, its weights exactly (float32) or as their blocks dequantize, with a working tokenizer; every norm and bias
+of a tiny model, its head and its file carries drawn values, not the one or zero random initialisation leaves."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,13 +12,22 @@ from gguf.quants import Q4_K, dequantize
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from transformers.integrations.gguf.dequant import dequantize as transformers_dequantize
 
-from engine.testing.tiny import tiny_base
+from engine.testing.tiny import MORE_SHAPES, SHAPES, random_head, tiny_base
 from engine.testing.tiny_gguf import (
     ARCHITECTURES, GGUF_PY_KINDS, GGUF_SHAPES, GGUF_VOCAB, K_QUANTS, SPECIALS, quantize_blocks, quantize_k, tiny_gguf,
     tiny_vocabulary, write_gguf,
 )
 
 TOPS = {"Q4_K": (15, 32), "Q5_K": (31, 32), "Q6_K": (31, 16)}  # the codes a sub-block's range spans; its size
+# The norms and biases each family has, which random initialisation leaves at one (Gemma's offset norms: zero) and
+# zero: every one must be present in the tiny models, with drawn values.
+DRAWN = {
+    "llama": ("input_layernorm", "post_attention_layernorm", "model.norm"),
+    "qwen2": ("input_layernorm", "post_attention_layernorm", "model.norm", "q_proj.bias", "k_proj.bias", "v_proj.bias"),
+    "qwen3": ("input_layernorm", "post_attention_layernorm", "model.norm", "q_norm", "k_norm"),
+    "gemma3_text": ("input_layernorm", "post_attention_layernorm", "model.norm", "q_norm", "k_norm",
+                    "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+}
 
 
 def awkward_weights(rows: int = 6, blocks: int = 3) -> np.ndarray:
@@ -169,3 +179,48 @@ def test_a_model_transformers_would_read_as_another_is_refused(tmp_path):
     # transformers' GGUF loader takes Qwen3's head_dim from its config default (128), not from the file
     with pytest.raises(ValueError, match="head_dim"):
         write_gguf(tiny_base("qwen3-h64-l9", GGUF_VOCAB), tmp_path / "qwen3.gguf")
+
+
+def norms_and_biases(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in module.named_parameters() if name.endswith(("norm.weight", ".bias"))}
+
+
+def assert_drawn(name: str, values: torch.Tensor | np.ndarray, untouched: float) -> None:
+    """Values unlike what initialisation leaves (`untouched`): none of a bias zero, a norm varied and not all one."""
+    values = torch.as_tensor(np.array(values))  # a copy: a GGUF tensor is a read-only view
+    if name.endswith(".bias"):
+        assert (values != 0).all(), f"{name} has zeros"
+    assert (values != untouched).any() and values.unique().numel() > 1, f"{name} is left as initialised"
+
+
+@pytest.mark.parametrize("shape", SHAPES | MORE_SHAPES)
+def test_every_norm_and_bias_of_a_tiny_model_is_drawn_from_its_seed(shape):
+    model = tiny_base(shape)
+    drawn = norms_and_biases(model)
+    assert all(any(role in name for name in drawn) for role in DRAWN[model.config.model_type]), sorted(drawn)
+    offset = model.config.model_type == "gemma3_text"  # its norms scale by 1 + w: untouched at zero
+    for name, values in drawn.items():
+        assert_drawn(name, values, 0 if offset or name.endswith(".bias") else 1)
+    again, other = norms_and_biases(tiny_base(shape)), norms_and_biases(tiny_base(shape, seed=1))
+    assert all(torch.equal(again[name], values) for name, values in drawn.items())
+    assert not all(torch.equal(other[name], values) for name, values in drawn.items())
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_every_norm_and_bias_of_a_random_head_is_drawn(kind):
+    drawn = norms_and_biases(random_head(tiny_base("qwen2-h32-l10-tied"), kind))
+    assert any(name.endswith("norm.weight") for name in drawn)
+    for name, values in drawn.items():
+        assert_drawn(name, values, 0 if name.endswith(".bias") else 1)
+        if name.endswith("norm.weight"):  # scales as a trained head's norms: positive, around one
+            assert (values >= 0.5).all() and (values <= 2).all(), name
+
+
+@pytest.mark.parametrize("architecture", GGUF_SHAPES)
+def test_a_tiny_gguf_stores_every_drawn_norm_and_bias(tmp_path, architecture):
+    model = tiny_base(GGUF_SHAPES[architecture], GGUF_VOCAB)
+    stored = {t.name: t.data for t in GGUFReader(tiny_gguf(architecture, tmp_path)).tensors
+              if t.name.endswith(("norm.weight", ".bias"))}
+    assert len(stored) == len(norms_and_biases(model))
+    for name, values in stored.items():  # every family's file stores a norm as its scale (Gemma's w + 1)
+        assert_drawn(name, values, 0 if name.endswith(".bias") else 1)

@@ -42,7 +42,7 @@ def random_prompts(count: int, longest: int, seed: int = 0) -> list[list[int]]:
 def test_every_row_of_a_batch_equals_plain_greedy_decoding(shape, dtype):
     engine_model, model = tiny_base(shape, dtype=dtype), tiny_base(shape, dtype=dtype)  # the same weights
     engine_model.generation_config.eos_token_id = STOPS
-    engine = Engine(engine_model, IdsOnlyTokenizer(), pack=True)
+    engine = Engine.over(engine_model, IdsOnlyTokenizer(), pack=True)
     prompts = random_prompts(13, 40)
     expected = [plain_greedy(engine, p, 24) for p in prompts]
     assert len({len(e) for e in expected}) > 3  # rows end at different steps, and their slots are refilled
@@ -149,7 +149,7 @@ def test_bad_input_is_refused_with_the_reason():
 
 def test_real_model_batch_equals_plain_greedy_on_sharegpt_prompts():
     """The embedded SmolLM2 in float32 (the dtype generation uses on CPUs without native bf16)."""
-    engine = Engine(*load_base(None, dtype="float32"), pack=True)
+    engine = Engine.over(*load_base(None, dtype="float32"), pack=True)
     model, tokenizer = load_base(None, dtype="float32")
     prepare_model(model)
     firsts = (encode_prompt(tokenizer, m) for m in map(first_prompt, read_conversations()) if m)
@@ -175,9 +175,9 @@ def test_the_engines_grouped_model_generates_its_own_plain_greedy_replies(kernel
 def test_fit_takes_its_features_and_targets_from_the_model_the_engine_decodes():
     """For the embedded GGUF, fit's base model is the engine's int8 model: its greedy tokens over a prompt and the
     engine's own plain decoding of it are the same tokens, which are the targets verification accepts."""
-    engine = generation.load_grouped_engine(None, "cpu", "float32", "auto")
+    engine = Engine(generation.load_grouped_base(None, "cpu", "float32", "auto"))
     assert engine.kernels == "int8"
-    assert generation.load_grouped_engine(None, "cpu", "bfloat16", "auto") is None  # grouped kernels take float32
+    assert generation.load_grouped_base(None, "cpu", "bfloat16", "auto") is None  # grouped kernels take float32
     prompt = encode_prompt(engine.tokenizer, first_prompt(next(iter(read_conversations()))))
     reply = plain_greedy(engine, prompt, 12)
     ids = torch.tensor([prompt + reply])

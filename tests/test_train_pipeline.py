@@ -65,7 +65,7 @@ def test_smoke_pipeline_gives_a_head_that_loads_and_decodes_losslessly(tmp_path,
     assert summary["steps"] == summary["total_steps"] > 0 and summary["validation"] is not None
     assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["config.json", "model.safetensors"]
     head = load_head(tmp_path / "head", tiny_chat_model)
-    engine = Engine(tiny_chat_model, tokenizer, head)
+    engine = Engine.over(tiny_chat_model, tokenizer, head)
     prompt = engine.encode_chat([{"role": "user", "content": "Question 2: what do you know?"}])
     assert greedy(engine, prompt, "eagle") == greedy(engine, prompt, "vanilla")
 
@@ -91,7 +91,7 @@ def test_fine_tuning_starts_from_the_given_head_and_keeps_its_vocabulary(tmp_pat
     tuned = load_head(tmp_path / "tuned", tiny_chat_model)
     assert torch.equal(tuned.d2t, first.d2t)
     assert not torch.equal(tuned.fc.weight, first.fc.weight)
-    engine = Engine(tiny_chat_model, tokenizer, tuned)
+    engine = Engine.over(tiny_chat_model, tokenizer, tuned)
     prompt = engine.encode_chat([{"role": "user", "content": "Question 4: what do you know?"}])
     assert greedy(engine, prompt, "eagle") == greedy(engine, prompt, "vanilla")
     with pytest.raises(ValueError, match="eagle3 head"):
@@ -110,6 +110,19 @@ def test_data_resumes_without_redoing_finished_shards(tmp_path, tokenizer, tiny_
     assert (tmp_path / "data" / "shard_00000.jsonl").read_text() == first
     ids = [r["id"] for r in read_shards(tmp_path / "data")]
     assert len(ids) == len(set(ids)) == 6
+
+
+def test_a_time_limit_keeps_the_replies_finished_and_a_later_run_adds_the_rest(tmp_path, tokenizer, tiny_chat_model):
+    """A budget spent after the first reply writes that reply (a shard of one) and leaves the others to the next run,
+    which gives the same records as one run without a limit."""
+    write_source(tmp_path / "source.jsonl", 5)
+    args = dict(batch_size=1, max_new_tokens=4, max_prompt_tokens=128, shard_size=2)
+    build_data(tiny_chat_model, tokenizer, tmp_path / "cut", tmp_path / "source.jsonl", time_limit_s=0, **args)
+    assert len(read_shards(tmp_path / "cut")) == 1
+    build_data(tiny_chat_model, tokenizer, tmp_path / "cut", tmp_path / "source.jsonl", **args)
+    build_data(tiny_chat_model, tokenizer, tmp_path / "whole", tmp_path / "source.jsonl", **args)
+    key = lambda r: r["id"]  # noqa: E731
+    assert sorted(read_shards(tmp_path / "cut"), key=key) == sorted(read_shards(tmp_path / "whole"), key=key)
 
 
 def test_duplicate_prompts_are_dropped(tmp_path, tokenizer, tiny_chat_model):

@@ -141,7 +141,7 @@ def test_a_head_trained_on_a_known_rule_drafts_it_in_the_engine(tmp_path, capsys
     assert summary["steps"] > 20 and capsys.readouterr().err.count("\r") <= 4
     trainer.save_head(tmp_path / "head")
     head = place_head(trainer.unwrapped, model)
-    engine = Engine(model, IdsOnlyTokenizer(), head)
+    engine = Engine.over(model, IdsOnlyTokenizer(), head)
     steps = list(engine.generate([15, 9, 11, 12], method="eagle", max_new_tokens=40, **BRANCHING))
     tokens = [t for s in steps for t in s.tokens]
     vanilla = engine.generate([15, 9, 11, 12], method="vanilla", max_new_tokens=40)

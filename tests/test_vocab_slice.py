@@ -39,7 +39,7 @@ def most_frequent_targets(head, counts: torch.Tensor, size: int) -> list[int]:
 
 def draft_logits(head, model, prompt: list[int]) -> torch.Tensor:
     """The head's draft logits at every slot of the prompt (slot p: base features after token p, token p + 1)."""
-    engine = Engine(model, IdsOnlyTokenizer(), head)
+    engine = Engine.over(model, IdsOnlyTokenizer(), head)
     _, features = engine.target.forward(torch.tensor(prompt), engine.target.new_cache())
     n = len(prompt)
     causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
@@ -89,7 +89,7 @@ def test_round_trips_through_the_official_layout(head, model, counts, tmp_path):
 
 @pytest.mark.parametrize("size", [1, SIZE, VOCAB - 4])
 def test_greedy_eagle_with_the_slice_equals_vanilla(head, model, counts, prompt, size):
-    engine = Engine(model, IdsOnlyTokenizer(), slice_vocab(head, counts, size))
+    engine = Engine.over(model, IdsOnlyTokenizer(), slice_vocab(head, counts, size))
     vanilla = tokens_of(engine.generate(prompt, method="vanilla", max_new_tokens=NEW_TOKENS))
     steps = list(engine.generate(prompt, method="eagle", max_new_tokens=NEW_TOKENS))
     assert tokens_of(steps) == vanilla

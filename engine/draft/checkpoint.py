@@ -15,6 +15,8 @@ field is named with the file, and a head whose sizes do not fit the base model i
 from __future__ import annotations
 
 import json
+import math
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +32,9 @@ from .head import DraftHead
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 DEFAULT_HEAD = ASSETS / "smollm2-135m-eagle3"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# Bytes a value of each safetensors dtype takes.
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _HEADS = {"eagle1": Eagle1Head, "eagle3": Eagle3Head}
 # Tensor name prefixes a layout uses where the official layout's differ: (the layout's, the official).
 _RENAMES = {
@@ -63,10 +68,14 @@ def new_head(kind: str, base_config, draft_vocab_size: int | None = None) -> Dra
         "bias": True,
         "draft_vocab_size": draft_vocab_size or text.vocab_size,
     }
+    layers = fused_layers(text.num_hidden_layers)
+    if kind == "eagle3" and len(set(layers)) == 3:  # the config names the layers it fuses, so every server reads the
+        raw[AUX_LAYERS] = layers  # same ones (a base too shallow for three distinct ones keeps the default rule)
     return _HEADS[kind](HeadConfig.from_dict(raw, kind))
 
 
-def _resolve(source: str | Path) -> Path:
+def head_folder(source: str | Path) -> Path:
+    """The local folder of a head: `source` itself, or a hub id's snapshot (its config and weights fetched)."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
@@ -82,6 +91,9 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
         file = folder / name
         if not file.exists():
             continue
+        problem = _safetensors_problem(file) if file.suffix == ".safetensors" else None
+        if problem:
+            raise CheckpointError(f"cannot read {file}: {problem}")
         try:
             if file.suffix == ".safetensors":
                 return load_file(str(file))
@@ -89,6 +101,33 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
         except Exception as err:  # safetensors and torch raise many types for damaged files
             raise CheckpointError(f"cannot read {file}: the file is corrupt or truncated ({err})") from err
     raise CheckpointError(f"{folder} has no {' or '.join(WEIGHT_FILES)}")
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """Which tensor a safetensors file's header places where it cannot be: past the file's end (a file cut short) or
+    over a span that does not hold its shape. None where the header fits the file, or is not one to check (unreadable
+    JSON, a dtype not listed): load_file then judges it."""
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        try:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length)) if 8 + length <= size else None
+        except (struct.error, ValueError):
+            return None
+    for name, entry in header.items() if isinstance(header, dict) else ():
+        try:
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+            dtype, shape = entry["dtype"], [int(n) for n in entry["shape"]]
+            need = math.prod(shape) * SAFETENSORS_BYTES[dtype]
+        except (KeyError, TypeError, ValueError):  # __metadata__, or a field safetensors will name
+            continue
+        if end - begin != need:
+            return (f"its header places {name} at data bytes {begin:,} to {end:,}, but {dtype} {shape} takes "
+                    f"{need:,} bytes (the header is damaged)")
+        if 8 + length + end > size:
+            return (f"the file is truncated: {name} ends at byte {8 + length + end:,}, but the file holds {size:,} "
+                    "(an interrupted download or copy?)")
+    return None
 
 
 def _kind(raw: dict, state: dict[str, torch.Tensor]) -> str:
@@ -183,7 +222,7 @@ def read_layout(raw: dict, state: dict[str, torch.Tensor]
 def read_checkpoint(source: str | Path) -> tuple[Path, HeadConfig, dict[str, torch.Tensor], Callable[[str], str]]:
     """A head folder (or hub id) in any layout: its folder, its config and tensors under the official names, and how
     the file names each tensor (for error messages)."""
-    folder = _resolve(source)
+    folder = head_folder(source)
     config_file = folder / "config.json"
     try:
         raw = json.loads(config_file.read_text())

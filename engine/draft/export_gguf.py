@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..model.gguf_cache import sha256
-from .checkpoint import WEIGHT_FILES, CheckpointError, _resolve, read_checkpoint
+from .checkpoint import WEIGHT_FILES, CheckpointError, head_folder, read_checkpoint
 from .config import HeadConfig
 from .eagle3 import fused_layers
 
@@ -297,7 +297,7 @@ def export_head(head_source: str | Path, out: str | Path, target: Target, outtyp
 
 def default_target_gguf(base: str | None) -> Path:
     """The target's GGUF file: --base's, or the embedded model's when --base is unset."""
-    from ..model.quant import gguf_file
+    from ..model.load import gguf_file
 
     path = gguf_file(base)
     if path is None:
@@ -309,7 +309,7 @@ def default_target_gguf(base: str | None) -> Path:
 def cached_export(head_source: str | Path, target_gguf: Path, cache: Path) -> Path:
     """The head's GGUF for this target under `cache`, written once: keyed by the head's files, the target file and
     FORMAT_VERSION, written under a temporary name and renamed, so a cut-short export is never used."""
-    folder = _resolve(head_source)
+    folder = head_folder(head_source)
     digest = hashlib.sha256(f"eagle3-gguf-{FORMAT_VERSION}".encode())
     for file in [folder / "config.json", *(folder / n for n in WEIGHT_FILES), target_gguf]:
         if file.exists():

@@ -1,4 +1,5 @@
-"""An EAGLE-3 head on grouped kernels in one C++ call (engine/model/kernels eagle3_head), for drafting.
+"""An EAGLE-3 head on grouped kernels in one C++ call (engine/model/kernels' torch.classes.eagle_cpu.Eagle3Head, built
+once from the head's dimensions and its weights by name), for drafting.
 
 A draft round runs the head on a few rows, right after a base forward has pushed the caches' contents out: each
 torch op and line of Python between the head's ops then costs tens of microseconds, more than the ops themselves.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..model.cache import GrowingLayer
-from ..model.fused import PROJECTIONS, layer_tensors, linear_tensors, on_groups
+from ..model.fused import PROJECTIONS, group_weights, on_groups, projection_weights
 from ..model.quant import GroupedEmbedding, QuantLinear
 from .eagle3 import Eagle3Head
 
@@ -24,28 +25,31 @@ class FusedEagle3:
 
     def __init__(self, head: Eagle3Head):
         self.head, layer = head, head.midlayer
-        self.heads, self.head_dim = layer.self_attn.heads, layer.self_attn.head_dim
-        self.kv_heads = layer.self_attn.kv_heads
-        self._cos = self._sin = torch.empty(0, self.head_dim)
-        self.eps = float(layer.input_layernorm.eps)
-        # decoder_forward's norm slots: the input norm (here the token embeddings'), none after attention, the
-        # post-attention norm before the MLP, none after it, no q or k norms
-        self.layer = layer_tensors([layer.input_layernorm.weight, None, layer.post_attention_layernorm.weight,
-                                    None, None, None], layer)
-        self.hidden_norm = layer.hidden_norm.weight
-        self.int8 = layer.self_attn.q_proj.int8
-        self.fc = linear_tensors(head.fc)
-        self.lm_head = [head.norm.weight, *linear_tensors(head.lm_head)]
+        attention = layer.self_attn
+        self.kv_heads, self.head_dim = attention.kv_heads, attention.head_dim
+        self.int8 = attention.q_proj.int8
+        self._covered = 0  # positions the rotary tables hold
         table = head.embedding()
-        self.table, self.vocab = embedding_tensors(table), getattr(table, "num_embeddings", 0)
+        self.table = embedding_weights(table)
+        dimensions = {"hidden": head.config.hidden_size, "heads": attention.heads, "kv_heads": self.kv_heads,
+                      "head_dim": self.head_dim, "intermediate": head.config.intermediate_size,
+                      "features": head.config.feature_size, "vocab": table.num_embeddings if self.table else 0,
+                      "draft_vocab": head.config.draft_vocab}
+        # the input norm normalises the token embeddings here, the post-attention norm the MLP's input
+        weights = {"input_norm": layer.input_layernorm.weight, "pre_mlp_norm": layer.post_attention_layernorm.weight,
+                   "hidden_norm": layer.hidden_norm.weight, "final_norm": head.norm.weight,
+                   **projection_weights(layer), **group_weights("fc", head.fc), **group_weights("lm_head", head.lm_head),
+                   **self.table}
+        self.native = torch.classes.eagle_cpu.Eagle3Head(dimensions, float(layer.input_layernorm.eps),
+                                                         self.int8, weights)
 
     @classmethod
     def of(cls, head) -> FusedEagle3 | None:
-        """A FusedEagle3 for `head` if eagle3_head computes exactly what its modules compute (QuantLinears exist
+        """A FusedEagle3 for `head` if the Eagle3Head computes exactly what its modules compute (QuantLinears exist
         only where engine/model/kernels built); the kernel adds the raw hidden state back, as the official layer does."""
         if not isinstance(head, Eagle3Head) or head.midlayer.norm_before_residual:
             return None
-        projections = [head.midlayer.get_submodule(name) for name in PROJECTIONS]
+        projections = [head.midlayer.get_submodule(path) for path in PROJECTIONS.values()]
         if not on_groups([head.midlayer]) or any(p.kind not in KINDS for p in projections):
             return None
         if head.norm.eps != head.midlayer.input_layernorm.eps:
@@ -63,14 +67,12 @@ class FusedEagle3:
         and, with `logits`, the last one's draft logits (Eagle3Head.logits), else None."""
         rows = hidden.shape[1]
         self._cover(start + rows)
-        like = self._cos.new_empty(1, self.kv_heads, 0, self.head_dim)
+        like = torch.empty(1, self.kv_heads, 0, self.head_dim)
         keys, values = layer.reserve(start + rows, like, like)
-        embedding = self.table or [self.head.embed(token_ids)]
-        out, last = torch.ops.eagle_cpu.eagle3_head(
-            hidden.float(), token_ids, positions, self._cos, self._sin, keys, values, start, mask, self.layer,
-            self.hidden_norm, self.fc if from_target else [], embedding, self.lm_head if logits else [], self.vocab,
-            self.head.lm_head.out_features, self.heads, self.head_dim, self.eps, self.int8)
-        return out, last if logits else None
+        tokens = (token_ids, None if self.table else self.head.embed(token_ids))
+        out, last = self.native.forward(hidden.float(), tokens, positions, mask, (keys, values, start), from_target,
+                                        logits)
+        return out, last
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Eagle3Head.logits with its final norm as one kernel call (the same bits)."""
@@ -80,14 +82,15 @@ class FusedEagle3:
     def _cover(self, positions: int) -> None:
         """Rotary tables with at least `positions` rows, computed by the head's own rotary once for the positions
         seen so far (every row the bits computing it alone gives: the same elementwise ops)."""
-        if positions > len(self._cos):
-            self._cos, self._sin = self.head.rope(torch.arange(max(positions, 2 * len(self._cos), 256)))
+        if positions > self._covered:
+            self._covered = max(positions, 2 * self._covered, 256)
+            self.native.set_rotary(*self.head.rope(torch.arange(self._covered)))
 
 
-def embedding_tensors(table: torch.nn.Module) -> list[torch.Tensor]:
-    """The base's embedding as eagle3_head reads it itself: an int8 GroupedEmbedding's groups and scale; [] for any
-    other table (the head then looks its rows up before the call)."""
+def embedding_weights(table: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base's embedding as the Eagle3Head reads it itself: an int8 GroupedEmbedding's groups and scale; none for
+    any other table (the head then looks its rows up before the call)."""
     if not isinstance(table, GroupedEmbedding) or not table.table.int8:
-        return []
-    scale = torch.empty(0) if table.scale is None else table.scale
-    return [*linear_tensors(table.table), scale]
+        return {}
+    scale = {} if table.scale is None else {"embedding.scale": table.scale}
+    return group_weights("embedding", table.table) | scale

@@ -1,8 +1,10 @@
-"""A decoder-only base on the grouped kernels in one C++ call per forward (engine/model/kernels decoder_forward), the
-same bits as transformers' own forward (the draft head's twin is engine/draft/fused.py).
+"""A decoder-only base on the grouped kernels in one C++ call per forward (engine/model/kernels'
+torch.classes.eagle_cpu.Decoder), the same bits as transformers' own forward (the draft head's twin is
+engine/draft/fused.py).
 
 A decoding step of a small model on the CPU runs ~40 ops in each of its 18 to 30 layers, and transformers' modules
-spend more time in Python between them than the matmuls take. decoder_forward runs the very ops transformers runs,
+spend more time in Python between them than the matmuls take. The Decoder, built once from the model's dimensions and
+its weights by name (each checked then), runs the very ops transformers runs,
 in the same order on the same kernels (grouped linear layers, fixed-order attention; norms, rotary and the residual
 stream by hand, each step rounded as torch rounds it, around torch's own mean, SiLU and GELU), so hidden states,
 features and cache come out bit for bit as through the model (tests/test_fused.py), and plain decoding and EAGLE
@@ -21,29 +23,33 @@ from .attention import FIXED_ORDER
 from .cache import GrowingCache, GrowingLayer
 from .quant import TILE, QuantLinear
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj")
+# The kernels' name of each projection of a layer (engine/model/kernels/weights.cpp names a layer's weights), and
+# its module.
+PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+QK_NORMS = ("q_norm", "k_norm")  # Qwen3's and Gemma 3's norms of q's and k's heads, where present: self_attn's
 
 
 @dataclass(frozen=True)
 class Family:
-    """What decoder_forward needs to know of a model family: which norms a layer has where (input, after attention,
-    before the MLP, after the MLP; None: none there), their class, whether they scale by 1 + w (Gemma's) rather
-    than by w, and the MLP's activation."""
+    """What the Decoder needs to know of a model family: the norms a layer has, by the kernels' names for where they
+    sit (input_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm) and their modules', their class, whether
+    they scale by 1 + w (Gemma's) rather than by w, and the MLP's activation."""
 
-    norms: tuple[str | None, str | None, str | None, str | None]
+    norms: dict[str, str]
     norm_class: str
     plus_one: bool
     activation: str
 
 
-_PRE_NORMS = ("input_layernorm", None, "post_attention_layernorm", None)
+_PRE_NORMS = {"input_norm": "input_layernorm", "pre_mlp_norm": "post_attention_layernorm"}
 FAMILIES = {
     "llama": Family(_PRE_NORMS, "LlamaRMSNorm", False, "silu"),
     "qwen2": Family(_PRE_NORMS, "Qwen2RMSNorm", False, "silu"),
     "qwen3": Family(_PRE_NORMS, "Qwen3RMSNorm", False, "silu"),
-    "gemma3_text": Family(("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                           "post_feedforward_layernorm"), "Gemma3RMSNorm", True, "gelu_pytorch_tanh"),
+    "gemma3_text": Family({"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                           "pre_mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"},
+                          "Gemma3RMSNorm", True, "gelu_pytorch_tanh"),
 }
 
 
@@ -56,37 +62,41 @@ class FusedDecoder:
         self.family = FAMILIES[config.model_type]
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.eps = float(config.rms_norm_eps)
         attention = [layer.self_attn for layer in self.body.layers]
-        self.scale = float(attention[0].scaling)
-        self.sliding = [int(getattr(a, "sliding_window", None) is not None) for a in attention]
         self.window = sliding_window(model)
         # Gemma 3's sliding layers have rotary tables of their own; the others share one.
         self.layer_types = getattr(config, "layer_types", None) if config.model_type == "gemma3_text" else None
-        self.weights = torch.classes.eagle_cpu.Weights(
-            [tensor for layer in self.body.layers for tensor in self._layer_tensors(layer)])
-        self.final_norm = self._norm_weight(self.body.norm)
         self.int8 = attention[0].q_proj.int8
-        self.gelu = self.family.activation.startswith("gelu")
+        dimensions = {"hidden": config.hidden_size, "heads": config.num_attention_heads, "kv_heads": self.kv_heads,
+                      "head_dim": self.head_dim, "intermediate": config.intermediate_size}
+        self.native = torch.classes.eagle_cpu.Decoder(
+            dimensions, float(config.rms_norm_eps), float(attention[0].scaling),
+            self.family.activation.startswith("gelu"), self.int8,
+            [getattr(a, "sliding_window", None) is not None for a in attention], self._weights())
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> FusedDecoder | None:
-        """A FusedDecoder for `model` if decoder_forward computes exactly what its transformers forward computes."""
+        """A FusedDecoder for `model` if the Decoder computes exactly what its transformers forward computes."""
         return cls(model) if why_not_fused(model) is None else None
 
-    def _norm_weight(self, norm: torch.nn.Module | None) -> torch.Tensor:
-        """A norm's weight as decoder_forward multiplies by it: w, or 1 + w for Gemma's (as its forward adds them,
-        in float32); an empty tensor where the layer has no norm there."""
-        if norm is None:
-            return torch.empty(0)
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """Every weight by the kernels' name for it: the final norm, and layer i's under layers.<i>."""
+        weights = {"final_norm": self._norm_weight(self.body.norm)}
+        for index, layer in enumerate(self.body.layers):
+            weights |= {f"layers.{index}.{name}": tensor for name, tensor in self._layer_weights(layer).items()}
+        return weights
+
+    def _layer_weights(self, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """A layer's norms (those its family has, and q and k norms where present), then its projections."""
+        norms = {name: layer.get_submodule(path) for name, path in self.family.norms.items()}
+        norms |= {name: norm for name in QK_NORMS if (norm := getattr(layer.self_attn, name, None)) is not None}
+        return {name: self._norm_weight(norm) for name, norm in norms.items()} | projection_weights(layer)
+
+    def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
+        """A norm's weight as the Decoder multiplies by it: w, or 1 + w for Gemma's (as its forward adds them, in
+        float32)."""
         weight = norm.weight.detach().float()
         return (1.0 + weight) if self.family.plus_one else weight.contiguous()
-
-    def _layer_tensors(self, layer: torch.nn.Module) -> list[torch.Tensor]:
-        """decoder_forward's tensors for one layer: its four norms and q and k norms, then its projections'."""
-        norms = [getattr(layer, name) if name else None for name in self.family.norms]
-        norms += [getattr(layer.self_attn, name, None) for name in ("q_norm", "k_norm")]
-        return layer_tensors([self._norm_weight(norm) for norm in norms], layer)
 
     @torch.inference_mode()
     def forward(
@@ -108,29 +118,30 @@ class FusedDecoder:
         layers = _layers(cache, len(self.body.layers))
         like = embeddings.new_empty(1, self.kv_heads, 0, self.head_dim)  # what update would get for its keys
         buffers = [buffer for layer in layers for buffer in layer.reserve(start + rows, like, like)]
-        hidden, *features = torch.ops.eagle_cpu.decoder_forward(
-            embeddings, cos, sin, local_cos, local_sin, mask, sliding_mask, self.weights, buffers, self.final_norm,
-            start, self.head_dim, self.eps, self.scale, capture, self.int8, self.sliding, self.gelu)
+        hidden, features = self.native.forward(embeddings, (cos, sin, local_cos, local_sin), mask, sliding_mask,
+                                               buffers, start, capture)
         for layer in layers:
             layer.length = start + rows
         return hidden, features
 
 
-def layer_tensors(norms: list[torch.Tensor | None], layer: torch.nn.Module) -> list[torch.Tensor]:
-    """A layer as decoder_forward (and eagle3_head) take it: the weights of its six norms as the kernel multiplies by
-    them (None or empty: no norm there), then each projection's groups and bias (empty tensors where absent)."""
-    tensors = [torch.empty(0) if norm is None else norm for norm in norms]
-    for name in PROJECTIONS:
-        projection = layer.get_submodule(name)
-        tensors += linear_tensors(projection) + [torch.empty(0) if projection.bias is None else projection.bias]
-    return tensors
+def projection_weights(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A layer's projections by the kernels' names (PROJECTIONS): each one's groups, and its bias where it has one."""
+    weights = {}
+    for name, path in PROJECTIONS.items():
+        projection = layer.get_submodule(path)
+        weights |= group_weights(name, projection)
+        if projection.bias is not None:
+            weights[f"{name}.bias"] = projection.bias
+    return weights
 
 
-def linear_tensors(linear: QuantLinear) -> list[torch.Tensor]:
-    """A QuantLinear's groups as the kernels take a linear layer: codes, scales, mins, block scales, block mins
-    (empty tensors where absent)."""
-    parts = (linear.codes, linear.scales, linear.mins, linear.block_scales, linear.block_mins)
-    return [torch.empty(0) if part is None else part for part in parts]
+def group_weights(name: str, linear: QuantLinear) -> dict[str, torch.Tensor]:
+    """A QuantLinear's groups under `name`: its codes and scales, and its mins, block scales and block mins where it
+    has them."""
+    parts = {"codes": linear.codes, "scales": linear.scales, "mins": linear.mins, "block_scales": linear.block_scales,
+             "block_mins": linear.block_mins}
+    return {f"{name}.{part}": tensor for part, tensor in parts.items() if tensor is not None}
 
 
 def sliding_window(model: PreTrainedModel) -> int | None:
@@ -159,7 +170,7 @@ def window_mask(mask: torch.Tensor | None, start: int, positions: torch.Tensor, 
 
 
 def why_not_fused(model: PreTrainedModel) -> str | None:
-    """None if decoder_forward describes `model` exactly, else what differs (checked in order, the kernel build
+    """None if the Decoder describes `model` exactly, else what differs (checked in order, the kernel build
     last)."""
     config = model.config.get_text_config()
     family = FAMILIES.get(config.model_type)
@@ -184,7 +195,7 @@ def why_not_fused(model: PreTrainedModel) -> str | None:
 def on_groups(layers) -> bool:
     """Every projection a QuantLinear, all on the same kernel (int8 or not), int8 ones in whole tiles so that each
     projection's features sit where the kernel call's output puts them."""
-    modules = [layer.get_submodule(name) for layer in layers for name in PROJECTIONS]
+    modules = [layer.get_submodule(path) for layer in layers for path in PROJECTIONS.values()]
     if not all(isinstance(m, QuantLinear) for m in modules) or len({m.int8 for m in modules}) != 1:
         return False
     return not (modules[0].int8 and any(m.out_features % TILE for m in modules))
@@ -193,10 +204,10 @@ def on_groups(layers) -> bool:
 def _norms_of(layers, family: Family) -> bool:
     """Every norm the family puts in a layer is its RMSNorm class, and only those are there."""
     for layer in layers:
-        for name in family.norms:
-            if name is not None and type(getattr(layer, name)).__name__ != family.norm_class:
+        for path in family.norms.values():
+            if type(layer.get_submodule(path)).__name__ != family.norm_class:
                 return False
-        for name in ("q_norm", "k_norm"):
+        for name in QK_NORMS:
             norm = getattr(layer.self_attn, name, None)
             if norm is not None and type(norm).__name__ != family.norm_class:
                 return False

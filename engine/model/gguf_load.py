@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from . import gguf_cache
 from ..progress import progress_bar
-from .gguf_tensors import TensorBlocks, gguf_name, read_tensors, tensor_names
+from .gguf_tensors import GgufFile, TensorBlocks, gguf_name, tensor_names
 from .groups import groups_from_blocks, quantize
 from .quant import GroupedEmbedding, QuantLinear, float_kernel_takes
 
@@ -30,44 +29,48 @@ log = logging.getLogger(__name__)
 DIRECT = ("llama", "qwen2", "qwen3", "gemma3")
 
 
-def loads_directly(gguf: Path) -> bool:
-    """Whether load_grouped builds this file's model: an architecture it maps, every tensor of a type it reads. Else
-    transformers' loading and quantize_linears do (a type the kernels do not read keeps its layers on the float
-    path, said here)."""
-    architecture, tensors = read_tensors(gguf)
-    unread = Counter(t.kind for t in tensors if t.blocks is None)
+def why_not_direct(gguf: GgufFile) -> str | None:
+    """Why load_grouped cannot build this file's model onto the grouped kernels, in words; None where it can (the
+    fast exact path: the fused decoder then runs it). Else transformers' loading and engine.model.gguf_match do,
+    and what the kernels do not read runs dequantized to float32."""
+    reasons = []
+    if gguf.architecture not in DIRECT:
+        reasons.append(f"architecture {gguf.architecture or '(none stated)'} is not one of {', '.join(DIRECT)}: it "
+                       "runs through transformers' layers")
+    unread = Counter(tensor.kind for tensor in gguf.tensors if tensor.blocks is None)
     if unread:
-        log.info("%s holds %s tensors, which the int8 kernels do not read: those layers run on the float path "
-                 "(transformers' float32 dequantization)", gguf, ", ".join(f"{n} {kind}" for kind, n in unread.items()))
-    return architecture in DIRECT and not unread
+        reasons.append(", ".join(f"{count} {kind}" for kind, count in unread.items())
+                       + " tensors, which the int8 kernels do not read: those layers run on transformers' float32 "
+                       "dequantization")
+    return "; ".join(reasons) or None
 
 
-def load_grouped(gguf: Path, int8: bool, attn_implementation: str = "sdpa") -> PreTrainedModel:
+def load_grouped(gguf: GgufFile, int8: bool, attn_implementation: str = "sdpa") -> PreTrainedModel:
     """The model of `gguf` with every matrix on the grouped kernels (int8: on int8 activations; a float matrix, or
     one of a type the float-activation kernels do not take, rounded to Q8_0 there, kept as floats for them)."""
     from accelerate import init_empty_weights
 
-    folder = gguf_cache.converted(gguf, weights=False)
-    config = AutoConfig.from_pretrained(str(folder) if folder else str(gguf.parent),
-                                        **({} if folder else {"gguf_file": gguf.name}))
+    path = gguf.path
+    folder = gguf_cache.converted(path, weights=False)
+    config = AutoConfig.from_pretrained(str(folder) if folder else str(path.parent),
+                                        **({} if folder else {"gguf_file": path.name}))
     with init_empty_weights(include_buffers=False):  # rotary tables and scales are made, weights are not
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     _Filler(model, gguf, int8).fill()
-    model.name_or_path = config.name_or_path = str(gguf)
+    model.name_or_path = config.name_or_path = str(path)
     return model.eval().requires_grad_(False)
 
 
 class _Filler:
     """Puts the file's tensors into the model's empty modules, by the names gguf's tensor map gives them."""
 
-    def __init__(self, model: PreTrainedModel, gguf: Path, int8: bool):
+    def __init__(self, model: PreTrainedModel, gguf: GgufFile, int8: bool):
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-        self.model, self.gguf, self.int8 = model, gguf, int8
-        architecture, tensors = read_tensors(gguf)
-        self.stored = {t.name: t for t in tensors}
-        self.names = tensor_names(architecture, model.config.get_text_config().num_hidden_layers)
-        self.processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+        self.model, self.gguf, self.int8 = model, gguf.path, int8
+        self.stored = {t.name: t for t in gguf.tensors}
+        self.names = tensor_names(gguf.architecture, model.config.get_text_config().num_hidden_layers)
+        self.processor = TENSOR_PROCESSORS.get(gguf.architecture, TensorProcessor)(config=model.config.to_dict())
 
     def fill(self) -> None:
         log.info("building the model from %s's blocks", self.gguf)

@@ -7,6 +7,7 @@ skip it (keeping the architecture name and the data alignment) and memory-maps t
 """
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections import Counter
@@ -22,6 +23,7 @@ FLOAT_TYPES = {0: ("F32", 4), 1: ("F16", 2), 30: ("BF16", 2)}
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 
 
 @dataclass
@@ -48,43 +50,67 @@ class TensorBlocks:
         return values.reshape(self.shape[::-1])
 
 
+class _Damaged(Exception):
+    """What is wrong with a GGUF header, found while walking it."""
+
+
 class _Cursor:
+    """A walk through a GGUF header that never reads past the file's end: `reading` names the part being read, for
+    the message when it would."""
+
     def __init__(self, data: mmap.mmap):
-        self.data, self.at = data, 0
+        self.data, self.at, self.reading = data, 0, "the header"
+
+    def step(self, size: int) -> int:
+        """Move past `size` bytes; where they start."""
+        start, self.at = self.at, self.at + size
+        if self.at > len(self.data):
+            raise _Damaged(f"{self.reading} runs past the end of the file, at {len(self.data):,} bytes")
+        return start
+
+    def expect(self, count: int, least_bytes: int, what: str) -> None:
+        """Refuse a count of entries of at least `least_bytes` each that the rest of the file cannot hold: a lying
+        count fails at once instead of walking a large file's data as entries."""
+        left = len(self.data) - self.at
+        if count * least_bytes > left:
+            raise _Damaged(f"{count:,} {what} cannot fit in the {left:,} bytes left of the file's "
+                           f"{len(self.data):,}: it is cut short or the count is wrong")
 
     def scalar(self, code: str):
-        (value,) = struct.unpack_from("<" + code, self.data, self.at)
-        self.at += struct.calcsize(code)
+        (value,) = struct.unpack_from("<" + code, self.data, self.step(struct.calcsize(code)))
         return value
 
     def string(self) -> str:
         length = self.scalar("Q")
-        self.at += length
-        return bytes(self.data[self.at - length : self.at]).decode("utf-8", errors="replace")
+        start = self.step(length)
+        return bytes(self.data[start : self.at]).decode("utf-8", errors="replace")
 
     def skip_value(self, kind: int) -> None:
         if kind == _STRING:
-            length = self.scalar("Q")  # read before the position moves past it
-            self.at += length
+            self.step(self.scalar("Q"))
         elif kind == _ARRAY:
             element, count = self.scalar("I"), self.scalar("Q")
             if element in _SCALARS:
-                self.at += count * struct.calcsize(_SCALARS[element])
+                self.step(count * struct.calcsize(_SCALARS[element]))
             else:
+                self.expect(count, 8, "array elements")  # a string or an array takes 8 bytes at least
                 for _ in range(count):
                     self.skip_value(element)
+        elif kind in _SCALARS:
+            self.step(struct.calcsize(_SCALARS[kind]))
         else:
-            self.at += struct.calcsize(_SCALARS[kind])
+            raise _Damaged(f"{self.reading} has value type {kind}, which GGUF does not define")
 
 
 def read_tensors(path: Path) -> tuple[str, list[TensorBlocks]]:
     """(general.architecture, every tensor) of a GGUF file; the blocks are read-only views of the mapped file.
-    A file that is empty, cut short or not GGUF is refused with a ValueError that names it."""
+    A file that is empty, cut short, not GGUF or whose header is damaged is refused with a ValueError that names it
+    and what is wrong."""
     if Path(path).stat().st_size == 0:
         raise ValueError(f"{path} is empty")
     try:
         return _read_tensors(path)
-    except (struct.error, UnicodeDecodeError, OverflowError, IndexError) as err:
+    except _Damaged as err:
         raise ValueError(f"{path} is not a readable GGUF file: its header is damaged ({err})") from None
 
 
@@ -99,8 +125,10 @@ def _read_tensors(path: Path) -> tuple[str, list[TensorBlocks]]:
     if version not in (2, 3):
         raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
     tensors, fields = cursor.scalar("Q"), cursor.scalar("Q")
+    cursor.expect(fields, 13, "metadata entries")  # key length, value type, one byte
     architecture, alignment = "", 32
-    for _ in range(fields):
+    for field in range(fields):
+        cursor.reading = f"metadata entry {field + 1} of {fields:,}"
         key, kind = cursor.string(), cursor.scalar("I")
         if key == "general.architecture" and kind == _STRING:
             architecture = cursor.string()
@@ -108,9 +136,15 @@ def _read_tensors(path: Path) -> tuple[str, list[TensorBlocks]]:
             alignment = cursor.scalar(_SCALARS[kind])
         else:
             cursor.skip_value(kind)
+    if alignment < 1 or alignment & (alignment - 1):
+        raise _Damaged(f"general.alignment is {alignment}, not a power of two")
+    cursor.expect(tensors, 24, "tensor entries")  # name length, dimensions, type, offset
     table = []
-    for _ in range(tensors):
+    for tensor in range(tensors):
+        cursor.reading = f"tensor entry {tensor + 1} of {tensors:,}"
         name, dims = cursor.string(), cursor.scalar("I")
+        if dims > MAX_DIMS:
+            raise _Damaged(f"{cursor.reading} ({name!r}) has {dims:,} dimensions; GGUF allows {MAX_DIMS}")
         shape = tuple(cursor.scalar("Q") for _ in range(dims))
         table.append((name, shape, cursor.scalar("I"), cursor.scalar("Q")))
     start = -(-cursor.at // alignment) * alignment
@@ -133,7 +167,7 @@ def _data_bytes(shape: tuple[int, ...], kind: int) -> int:
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
     except (ValueError, KeyError):
         return 0  # a type this gguf does not know: its size is transformers' to judge
-    return int(np.prod(shape)) // block * block_bytes
+    return math.prod(shape) // block * block_bytes  # exact for any size a damaged header states
 
 
 def _blocks(data: mmap.mmap, start: int, name: str, shape: tuple[int, ...], kind: int, offset: int) -> TensorBlocks:
@@ -141,9 +175,30 @@ def _blocks(data: mmap.mmap, start: int, name: str, shape: tuple[int, ...], kind
         return TensorBlocks(name, _type_name(kind), shape, None)
     label, weights, size = BLOCK_TYPES[kind] if kind in BLOCK_TYPES else (FLOAT_TYPES[kind][0], 1,
                                                                           FLOAT_TYPES[kind][1])
-    rows, row_bytes = int(np.prod(shape[1:])), shape[0] // weights * size
+    rows, row_bytes = math.prod(shape[1:]), shape[0] // weights * size
     blocks = np.frombuffer(data, dtype=np.uint8, count=rows * row_bytes, offset=start + offset)
     return TensorBlocks(name, label, shape, blocks.reshape(rows, row_bytes))
+
+
+@dataclass(frozen=True)
+class GgufFile:
+    """A GGUF file opened once for a load: its path, architecture and tensor table, read by read_tensors and passed
+    to whoever needs them (the loader, the kernels' matching, the description) instead of read again by each."""
+
+    path: Path
+    architecture: str
+    tensors: tuple[TensorBlocks, ...]
+
+    @classmethod
+    def open(cls, path: Path | str) -> GgufFile:
+        """Read `path`'s tensor table; a file that is empty, cut short or not GGUF is refused by name (ValueError)."""
+        architecture, tensors = read_tensors(Path(path))
+        return cls(Path(path), architecture, tuple(tensors))
+
+    @property
+    def tensor_types(self) -> dict[str, int]:
+        """How many tensors of each type the file holds, most common first: what a user's file is made of."""
+        return dict(Counter(tensor.kind for tensor in self.tensors).most_common())
 
 
 def tensor_names(architecture: str, layers: int):
@@ -180,11 +235,6 @@ def read_metadata(path: Path) -> tuple[dict[str, object], dict[str, int]]:
             else:
                 values[key] = cursor.scalar(_SCALARS[kind])
     return values, lengths
-
-
-def gguf_tensor_types(path: Path) -> dict[str, int]:
-    """How many tensors of each type a GGUF file holds, most common first: what a user's file is made of."""
-    return dict(Counter(tensor.kind for tensor in read_tensors(path)[1]).most_common())
 
 
 def _type_name(kind: int) -> str:

@@ -14,7 +14,7 @@ from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase,
 )
 from . import gguf_cache
-from .gguf_tensors import read_tensors
+from .gguf_tensors import GgufFile
 from .named import NAMED, named_gguf, package_folder
 from .packed import bf16_native
 from .placement import gpu_budgets, model_bytes, plan_device_map
@@ -79,9 +79,36 @@ def _source(base: str | None) -> tuple[str, dict]:
     return base, {}
 
 
-def load_tokenizer(base: str | None = None) -> PreTrainedTokenizerBase:
+def gguf_file(base: str | None) -> Path | None:
+    """The GGUF file that load_model loads `base` from (None for other checkpoints, or a hub GGUF not in the local
+    cache): the file whose groups the kernels keep, and the one llama.cpp runs. Found without reading it."""
+    name, options = _source(base)
+    if "gguf_file" not in options:
+        return None
+    if Path(name).is_dir():
+        return Path(name) / options["gguf_file"]
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, options["gguf_file"], revision=options.get("revision"))
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def open_gguf(base: str | None) -> GgufFile | None:
+    """The GGUF file `base` loads from, opened (a hub one fetched first): its tensor table read once for the whole
+    load, and a corrupt or truncated file refused by name before transformers parses it; None for other
+    checkpoints."""
+    return _opened(_source(base))
+
+
+def _opened(source: tuple[str, dict]) -> GgufFile | None:
+    name, kwargs = source
+    return GgufFile.open(_gguf_path(name, kwargs)) if "gguf_file" in kwargs else None
+
+
+def load_tokenizer(base: str | None = None, gguf: GgufFile | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of `base`; gguf: its GGUF file, opened already (open_gguf), not read again."""
     return _with_converted(_source(base), lambda name, kwargs: AutoTokenizer.from_pretrained(name, **kwargs),
-                           weights=False)
+                           weights=False, gguf=gguf)
 
 
 def _gguf_path(name: str, kwargs: dict) -> Path:
@@ -91,15 +118,15 @@ def _gguf_path(name: str, kwargs: dict) -> Path:
     return Path(hf_hub_download(name, kwargs["gguf_file"], revision=kwargs.get("revision")))
 
 
-def _with_converted(source: tuple[str, dict], load, weights: bool = True):
+def _with_converted(source: tuple[str, dict], load, weights: bool = True, gguf: GgufFile | None = None):
     """load(name, kwargs) from a GGUF's converted folder (engine.model.gguf_cache; weights=False: one with its
     configuration and tokenizer at least) where one is kept, else from `source`. A converted copy that fails to load
-    is converted again once, so a damaged cache costs time, never the load."""
+    is converted again once, so a damaged cache costs time, never the load. gguf: the source's file, opened already;
+    else it is opened here, which refuses a corrupt or truncated file by name before transformers parses it."""
     name, kwargs = source
     if "gguf_file" not in kwargs:
         return load(name, kwargs)
-    gguf = _gguf_path(name, kwargs)
-    read_tensors(gguf)  # a corrupt or truncated file is refused here, by name, before transformers parses it
+    gguf = (gguf or _opened(source)).path
     for attempt in range(2):
         folder = gguf_cache.converted(gguf, weights)
         if folder is None:
@@ -243,13 +270,14 @@ def load_model(
     attn_implementation: str = "sdpa",
     quantization: str = "none",
     max_memory: str | None = None,
+    gguf: GgufFile | None = None,
 ) -> PreTrainedModel:
     """Load a causal LM for inference (eval mode, no gradients).
 
     device: "cpu", "cuda", "cuda:N", or "auto" (the first GPU when the model fits there, else its layers balanced over
     every visible GPU; the CPU without GPUs). max_memory (e.g. "20GiB") caps what each GPU may hold. quantization:
     "none", "8bit" or "4bit" (bitsandbytes, Hugging Face checkpoints). A model too large for its GPUs is refused
-    before loading, with its size.
+    before loading, with its size. gguf: the base's GGUF file, opened already (open_gguf), not read again.
     """
     dtype = resolve_dtype(dtype)
     if attn_implementation not in ATTENTIONS:
@@ -280,10 +308,10 @@ def load_model(
             name, kwargs, dtype, quantization, attn_implementation=attn_implementation, quantization_config=loading
         )
 
-    model = _with_converted((name, kwargs), load)
+    model = _with_converted((name, kwargs), load, gguf=gguf)
     return model.eval().requires_grad_(False)
 
 
 def load_base(base: str | None = None, **options) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer; `options` are load_model's (dtype, device, quantization, ...)."""
-    return load_model(base, **options), load_tokenizer(base)
+    """Load a causal LM and its tokenizer; `options` are load_model's (dtype, device, quantization, gguf, ...)."""
+    return load_model(base, **options), load_tokenizer(base, options.get("gguf"))

@@ -8,32 +8,19 @@ that is also the LM head): built straight from it (engine.model.gguf_load) or ch
 transformers dequantized from it. On int8 activations (the default) a layer computes as llama.cpp does (each row's
 activations rounded to 8 bits per group, integer products: another rounding of the model, the fastest; `repack`
 lays the groups out for it); on float32 activations the kernel multiplies by the very float32 weights, in its own
-fixed order. A model without a GGUF file is quantized here, as llama.cpp's converter does (Q4_1 layers, Q8_0 LM
-head): then its groups are the model both plain decoding and EAGLE run.
+fixed order. Which layers become these: engine.model.gguf_load (from the file's blocks) and engine.model.gguf_match
+(over a float model); which kernels run: engine.model.kernel_policy. Also the KV cache's dtype beside them.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from . import kernels
 from .attention import FIXED_ORDER
-from .groups import GROUP, Groups, groups_from_blocks, quantize
-from .gguf_tensors import FLOAT_TYPES, TensorBlocks, gguf_name, read_tensors, tensor_names
-from .load import _source, on_gpu
-
-KERNELS = ("auto", "float", "q4", "int8")
-GROUPED = ("q4", "int8")  # the kernels that keep a GGUF's groups (engine/model/kernels)
-KERNELS_HELP = ("the CPU linear layers: float = oneDNN-packed float weights; q4 = a GGUF's 4-bit groups as they are, "
-                "times float32 activations; int8 = the same groups times activations rounded to 8 bits per group of "
-                "32, integer products as llama.cpp computes them (another rounding of the model, the fastest; "
-                "docs/models.md); auto = int8 for a GGUF base on the CPU in float32 or dtype auto, else float")
-log = logging.getLogger(__name__)
+from .groups import GROUP, Groups
 
 
 TILE = 16  # output features per tile of the int8 kernels: one a vector lane
@@ -173,122 +160,6 @@ def float_kernel_takes(groups: Groups) -> bool:
     return (groups.mins is not None) if groups.four_bit else (groups.mins is None and not groups.halves)
 
 
-def gguf_file(base: str | None) -> Path | None:
-    """The GGUF file that engine.model.load loads `base` from (None for other checkpoints, or a hub GGUF not in the
-    local cache): the file whose groups the kernels keep, and the one llama.cpp runs."""
-    name, options = _source(base)
-    if "gguf_file" not in options:
-        return None
-    if Path(name).is_dir():
-        return Path(name) / options["gguf_file"]
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(name, options["gguf_file"], revision=options.get("revision"))
-    return Path(cached) if isinstance(cached, str) else None
-
-
-def gguf_groups(model: PreTrainedModel, path: Path) -> dict[int, Groups]:
-    """The GGUF file's grouped tensors (every type engine.model.groups reads), keyed by id() of the model parameter
-    transformers loaded from each (rows put in transformers' order, as it permutes Llama's q and k), kept only where
-    they dequantize to exactly that parameter's float32 values."""
-    return _gguf_weights(model, path)[0]
-
-
-def _gguf_weights(model: PreTrainedModel, path: Path) -> tuple[dict[int, Groups], set[int]]:
-    """gguf_groups, and id() of the model parameters the file holds as float matrices (F16, BF16, F32), from one
-    reading of its tensor table."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-    architecture, tensors = read_tensors(path)
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
-    float_kinds = {name for name, _ in FLOAT_TYPES.values()}
-    found, floats = {}, set()
-    for weight, tensor in _file_tensors(model, architecture, tensors):
-        if tensor.kind in float_kinds and len(tensor.shape) == 2:
-            floats.add(id(weight))
-        if not tensor.grouped:
-            continue
-        groups = groups_from_blocks(tensor.kind, processor.process(weights=tensor.blocks, name=tensor.name).weights)
-        if weight.dtype == torch.float32 and torch.equal(groups.dequantize(), weight):
-            found[id(weight)] = groups
-        else:
-            log.warning("%s: its GGUF groups do not give the loaded weights exactly; that layer keeps float kernels",
-                        tensor.name)
-    return found, floats
-
-
-def _file_tensors(model: PreTrainedModel, architecture: str, tensors: list[TensorBlocks]
-                  ) -> list[tuple[torch.Tensor, TensorBlocks]]:
-    """(weight, its GGUF tensor) for each linear or embedding weight of `model` the file holds, by gguf's name map
-    (a tied LM head is the embedding under two names)."""
-    names = tensor_names(architecture, model.config.get_text_config().num_hidden_layers)
-    if names is None:
-        return []
-    stored = {t.name: t for t in tensors}
-    aliases: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(parameter), []).append(name)
-    pairs = []
-    for module in model.modules():
-        if type(module) is not nn.Linear and not isinstance(module, nn.Embedding):
-            continue
-        candidates = [gguf_name(names, name) for name in aliases.get(id(module.weight), [])]
-        tensor = next((stored[n] for n in candidates if n in stored), None)
-        if tensor is not None:
-            pairs.append((module.weight, tensor))
-    return pairs
-
-
-def quantize_linears(model: nn.Module, gguf_file: Path | None = None, kind: str = "Q4_1", int8: bool = False,
-                     kinds: dict[str, str] | None = None) -> int:
-    """Replace the float32 CPU nn.Linear layers of `model` whose inputs come in groups of 32 by QuantLinears (int8:
-    on int8 activations); returns how many. With a GGUF file, the layers its groups hold exactly, of the types the
-    chosen kernels take, and on int8 kernels its float matrices rounded to Q8_0 (so that every layer is on them);
-    without one, every such layer is quantized to `kind` (a PreTrainedModel's LM head to Q8_0), or to the kind
-    `kinds` gives its attribute name."""
-    if not kernels.available():
-        raise RuntimeError(f"QuantLinear needs engine/model/kernels: {kernels.unavailable_reason()}")
-    found, floats = _gguf_weights(model, gguf_file) if gguf_file is not None else (None, set())
-    floats = floats if int8 else set()
-    lm_head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
-    count = rounded = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.device.type != "cpu" or child.in_features % GROUP:
-                continue
-            if child.weight.dtype != torch.float32:
-                continue
-            if found is None:
-                groups = quantize(child.weight, "Q8_0" if child is lm_head else (kinds or {}).get(name, kind))
-            elif id(child.weight) in found and (int8 or float_kernel_takes(found[id(child.weight)])):
-                groups = found[id(child.weight)]
-            elif id(child.weight) in floats:  # F16, BF16, F32: rounded as the int8 kernels round activations
-                groups = quantize(child.weight, "Q8_0")
-                rounded += 1
-            else:
-                continue
-            setattr(parent, name, QuantLinear(groups, child.bias, int8))
-            count += 1
-    if rounded:
-        log.info("%d float matrices of the GGUF file rounded to Q8_0 groups for the int8 kernels (kernels='float' "
-                 "keeps them as they are)", rounded)
-    if found is not None and isinstance(model, PreTrainedModel):
-        _embed_from_groups(model, found, tied=lm_head is not None and lm_head.weight is model.get_input_embeddings()
-                           .weight)
-        _own_float_tensors(model)
-    return count
-
-
-def _own_float_tensors(model: nn.Module) -> None:
-    """Copy the float tensors the model still holds (norms, biases) out of the file transformers mapped them from:
-    each is a view into that mapping, and one small norm kept every page of the float conversion read while loading
-    resident (a gigabyte for a 270M model), long after its matrices became groups."""
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.dtype.is_floating_point and tensor.numel():
-                tensor.data = tensor.data.clone()
-
-
 class GroupedEmbedding(nn.Module):
     """A GGUF base's input embedding read from its groups (the LM head's own where the two are tied): the rows of
     the tokens looked up, dequantized as they are needed, the very floats the float table held (times the scale a
@@ -312,46 +183,6 @@ class GroupedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.table.rows(ids)
         return rows if self.scale is None else rows * self.scale
-
-
-def _embed_from_groups(model: PreTrainedModel, found: dict[int, Groups], tied: bool) -> None:
-    """Replace the model's float input embedding by its GGUF groups where the file holds them exactly (tied: the
-    LM head's, already replaced)."""
-    table = model.get_input_embeddings()
-    if not isinstance(table, nn.Embedding) or id(table.weight) not in found:
-        return
-    head = model.get_output_embeddings()
-    rows = head if tied and isinstance(head, QuantLinear) else QuantLinear(found[id(table.weight)], None, int8=True)
-    model.set_input_embeddings(GroupedEmbedding(rows, table))
-
-
-def resolve_kernels(kernels: str, device: str, dtype: str, pack: bool, quantization: str, gguf: Path | None) -> str:
-    """Engine.load's kernels=: "float" (oneDNN-packed float layers, engine.model.packed), "q4" (QuantLinear layers: a
-    GGUF base's own groups; another base quantized to Q4_1 with its LM head in Q8_0, which changes the model),
-    "int8" (the same groups on int8 activations, as llama.cpp computes: another rounding again), or "auto": int8
-    for a GGUF base on the CPU (dtype auto or float32) where the kernels build, the fastest (docs/benchmarks.md,
-    "CPU kernels"), also where the CPU multiplies bf16 natively; float elsewhere (another base would be changed by
-    quantizing it)."""
-    if kernels not in KERNELS:
-        raise ValueError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
-    if kernels == "auto":
-        return "int8" if gguf is not None and not _grouped_unusable(device, dtype, pack, quantization) else "float"
-    reason = _grouped_unusable(device, dtype, pack, quantization) if kernels in GROUPED else None
-    if reason:
-        raise ValueError(f"kernels={kernels!r} cannot run here: {reason}")
-    return kernels
-
-
-def _grouped_unusable(device: str, dtype: str, pack: bool, quantization: str) -> str | None:
-    if not pack:
-        return "pack=False keeps transformers' own layers"
-    if on_gpu(device):
-        return "the grouped kernels run on the CPU"
-    if quantization != "none":
-        return f"quantization={quantization!r} already quantizes the layers (bitsandbytes)"
-    if dtype not in ("auto", "float32"):
-        return f"the grouped kernels take float32 activations, not {dtype}"
-    return kernels.unavailable_reason()
 
 
 def kv_dtype(model: PreTrainedModel) -> torch.dtype | None:

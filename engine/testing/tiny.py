@@ -1,11 +1,12 @@
 """Tiny random-weight base models of several shapes and families, with random draft heads: what the test suite and
 the GPU check (engine/tools/gpu_check.py) decode with when exactness, not quality, is being checked. No weights to
-download: every model is built from a seed. engine/testing/tiny_gguf.py writes them as GGUF files."""
+download: every model is built from a seed, its norms and biases drawn too (draw_norms_and_biases), so that every
+parameter a real file has takes part. engine/testing/tiny_gguf.py writes them as GGUF files."""
 from __future__ import annotations
 
 import torch
 from transformers import (
-    Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config,
+    Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
     Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
@@ -63,21 +64,34 @@ def tiny_base(shape: str, vocab: int = VOCAB, seed: int = 0, dtype: torch.dtype 
         vocab_size=vocab, initializer_range=0.25, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
         pad_token_id=None, **({"intermediate_size": 96} | sizes),
     )
-    model = model_cls(config).to(dtype).eval().requires_grad_(False)
-    if config.model_type == "gemma3_text":
-        _draw_norms(model)
+    model = model_cls(config).eval().requires_grad_(False)
+    draw_norms_and_biases(model, seed, offset_norms=config.model_type in OFFSET_NORMS)
+    model = model.to(dtype)
     model.generation_config.eos_token_id = None
     return model
 
 
+# Families whose norms store an offset: the weight w scales by 1 + w, and starts at zero.
+OFFSET_NORMS = ("gemma3_text",)
+# A norm's drawn scales, in 64ths: 0.5 to 2 (an offset norm's weights -0.5 to 8, scales 0.5 to 9: with scales of one,
+# a random Gemma with tied embeddings repeats one token for ever). Biases: 1/64 to 1/2 either side of zero.
+NORM_SCALES, OFFSET_NORM_WEIGHTS, BIAS_SIZES = (32, 129), (-32, 512), (1, 33)
+
+
 @torch.no_grad()
-def _draw_norms(model: PreTrainedModel) -> None:
-    """Random Gemma norm weights, in multiples of 1/64 from -0.5 to 8 (scales 0.5 to 9). Gemma's start at zero, a
-    scale of one on every sub-layer's output, and a random model with tied embeddings then repeats one token for
-    ever; multiples of 1/64 survive the file's w + 1 exactly."""
-    for name, weight in model.named_parameters():
+def draw_norms_and_biases(module: torch.nn.Module, seed: int, offset_norms: bool = False) -> None:
+    """Give every norm weight and bias of `module` drawn values, from a generator seeded with `seed`. Random
+    initialisation leaves them at one (an offset norm's at zero) and zero, where a real model's are not: a path
+    that ignored a bias, a norm or a norm's offset would then give the same numbers as one that reads them. Every
+    value a multiple of 1/64, which a GGUF's float32 (and Gemma's stored w + 1) keeps exactly; no bias is zero."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, weight in module.named_parameters():
         if name.endswith("norm.weight"):
-            weight.copy_(torch.randint(-32, 512, weight.shape) / 64)
+            low, high = OFFSET_NORM_WEIGHTS if offset_norms else NORM_SCALES
+            weight.copy_(torch.randint(low, high, weight.shape, generator=generator) / 64)
+        elif name.endswith(".bias"):
+            sign = torch.randint(0, 2, weight.shape, generator=generator) * 2 - 1
+            weight.copy_(sign * torch.randint(*BIAS_SIZES, weight.shape, generator=generator) / 64)
 
 
 def random_head(model, kind: str, seed: int = 1):
@@ -89,6 +103,7 @@ def random_head(model, kind: str, seed: int = 1):
         head.set_vocab(torch.randperm(vocab)[: vocab - 4])
     for p in head.parameters():  # larger weights than the default init: sharper, more varied drafts
         torch.nn.init.normal_(p, std=0.3)
+    draw_norms_and_biases(head, seed)  # norms that scale as a trained head's do, not around zero
     return place_head(head, model)
 
 

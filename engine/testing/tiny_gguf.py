@@ -1,14 +1,17 @@
 """Tiny models (engine/testing/tiny.py) as real GGUF files (`write_gguf`, `tiny_gguf`), laid out as llama.cpp's
 converter writes one and with a tiny tokenizer of the kind it writes, so what a user's own GGUF goes through
 (loading, training a head, decoding) runs on every architecture in seconds; `quantize_blocks` encodes weights in the
-GGUF types, K-quants included. Apart from tiny.py, which the GPU check imports where the gguf package is absent."""
+GGUF types, K-quants included; `damaged_gguf` damages a file at the format's edges, as a bad download or a lying header does. Apart from tiny.py, which the GPU check imports where the gguf package is absent."""
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from gguf import (
-    GGML_QUANT_SIZES, MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map,
+    GGML_QUANT_SIZES, MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, GGUFWriter, get_tensor_name_map,
 )
 from gguf.quants import quantize
 from transformers import AutoConfig, PreTrainedModel
@@ -358,3 +361,74 @@ def _check_read_back(config, path: Path) -> None:
              if _as_stored(getattr(loaded, field, None)) != _as_stored(getattr(config, field, None))]
     if wrong:
         raise ValueError(f"transformers reads {path} as another model (" + "; ".join(wrong) + ")")
+
+
+# --- damaged files ---------------------------------------------------------------------------------------------
+
+TRUNCATED = "is truncated: its tensors need"
+DAMAGED_HEADER = "is not a readable GGUF file: its header is damaged"
+
+
+@dataclass(frozen=True)
+class GgufLayout:
+    """A whole GGUF file's bytes and where its parts lie: what the damages cut and rewrite."""
+
+    data: bytes
+    tensors: int  # the header's tensor count
+    fields: int  # the header's metadata count
+    table: int  # where the tensor table starts (and the metadata ends)
+    table_end: int
+
+    @classmethod
+    def of(cls, path: str | Path) -> GgufLayout:
+        """The layout of a file that ends where its last tensor does (as tiny_gguf's do), so every cut takes
+        weights."""
+        data, reader = Path(path).read_bytes(), GGUFReader(path)
+        last = reader.tensors[-1]
+        if last.data_offset + last.n_bytes != len(data):
+            raise ValueError(f"{path} does not end where its last tensor does")
+        table_end = last.field.offset + sum(part.nbytes for part in last.field.parts)
+        return cls(data, *struct.unpack_from("<QQ", data, 8), reader.tensors[0].field.offset, table_end)
+
+
+def _with_alignment_zero(f: GgufLayout) -> bytes:
+    """One more metadata entry, general.alignment = 0 (uint32), before the others."""
+    entry = struct.pack("<Q", 17) + b"general.alignment" + struct.pack("<II", 4, 0)
+    return f.data[:16] + struct.pack("<Q", f.fields + 1) + entry + f.data[24:]
+
+
+# A GGUF damaged at each edge of the format (cut short at its end, in its metadata and in its tensor table; a
+# tensor placed past the end, counts that lie, an alignment of zero, a wrong magic, an unsupported version): the
+# damaged bytes, and what the error refusing them must say after the file's name.
+GGUF_DAMAGES: dict[str, Callable[[GgufLayout], tuple[bytes, str]]] = {
+    **{f"{n}-short": (lambda f, n=n: (f.data[:-n], TRUNCATED)) for n in (1, 7, 31)},
+    "cut-in-metadata": lambda f: (
+        f.data[: 24 + 5], f"{DAMAGED_HEADER} ({f.fields} metadata entries cannot fit in the 5 bytes left"),
+    "cut-at-metadata-end": lambda f: (
+        f.data[: f.table - 3], f"{DAMAGED_HEADER} (metadata entry {f.fields} of {f.fields} runs past the end"),
+    "cut-in-tensor-table": lambda f: (
+        f.data[: f.table + 5], f"{DAMAGED_HEADER} ({f.tensors} tensor entries cannot fit in the 5 bytes left"),
+    "cut-at-tensor-table-end": lambda f: (
+        f.data[: f.table_end - 3], f"{DAMAGED_HEADER} (tensor entry {f.tensors} of {f.tensors} runs past the end"),
+    "offset-past-end": lambda f: (  # the last entry's last 8 bytes: its offset into the data
+        f.data[: f.table_end - 8] + struct.pack("<Q", len(f.data)) + f.data[f.table_end :], TRUNCATED),
+    "tensor-count-lies": lambda f: (
+        f.data[:8] + struct.pack("<Q", f.tensors + 5) + f.data[16:],
+        f"{DAMAGED_HEADER} (tensor entry {f.tensors + 1} of {f.tensors + 5} runs past the end"),
+    "tensor-count-huge": lambda f: (
+        f.data[:8] + struct.pack("<Q", 2**62) + f.data[16:], f"{DAMAGED_HEADER} ({2**62:,} tensor entries cannot fit"),
+    "alignment-zero": lambda f: (
+        _with_alignment_zero(f), f"{DAMAGED_HEADER} (general.alignment is 0, not a power of two)"),
+    "wrong-magic": lambda f: (
+        b"GGML" + f.data[4:], "is not a GGUF file (it does not start with the GGUF magic bytes)"),
+    "version-1": lambda f: (f.data[:4] + struct.pack("<I", 1) + f.data[8:], "GGUF version 1 is not supported (2 or 3)"),
+}
+
+
+def damaged_gguf(path: str | Path, folder: str | Path, damage: str) -> tuple[Path, str]:
+    """A copy of the GGUF at `path` with GGUF_DAMAGES[damage] done to it, written into `folder`, and what the error
+    refusing it must say after the file's name."""
+    content, message = GGUF_DAMAGES[damage](GgufLayout.of(path))
+    copy = Path(folder) / f"{damage}.gguf"
+    copy.write_bytes(content)
+    return copy, message

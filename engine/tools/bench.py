@@ -69,8 +69,7 @@ from ..draft.checkpoint import DEFAULT_HEAD
 from ..draft.context import ContextDraft
 from ..draft.tree import TREES, DynamicTree
 from ..engine import Engine
-from ..model.load import DTYPES, auto_dtype, load_base
-from ..model.quant import GROUPED, gguf_file
+from ..model.load import DTYPES, auto_dtype, gguf_file, load_base
 from ..options import LoadOptions
 from ..draft.export_gguf import cached_export
 from ..model.gguf_cache import cache_root
@@ -296,7 +295,7 @@ def hf_dtype_for(args: argparse.Namespace, engine: Engine) -> str:
     there transformers runs in the dtype the float path would take, bfloat16 where the CPU has it (its faster one)."""
     if args.hf_dtype:
         return args.hf_dtype
-    return auto_dtype(args.device, args.quantization) if engine.kernels in GROUPED else _dtype_name(engine)
+    return auto_dtype(args.device, args.quantization) if engine.kernels.grouped else _dtype_name(engine)
 
 
 def _dtype_name(engine: Engine) -> str:

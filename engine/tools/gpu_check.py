@@ -163,7 +163,7 @@ def tiny(s: Settings) -> list[dict]:
         for dtype in s.tiny_dtypes:
             model = tiny_base(shape, dtype=getattr(torch, dtype)).to(s.device)
             for kind in ("eagle1", "eagle3"):
-                engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind))
+                engine = Engine.over(model, IdsOnlyTokenizer(), random_head(model, kind))
                 for tree in ("dynamic", "static"):
                     rows.append(guarded(f"{shape} {kind} {tree} {dtype}",
                                         lambda: compare(engine, prompt, s.tiny_tokens, tree=tree,
@@ -190,7 +190,7 @@ def quantized(s: Settings) -> list[dict]:
                 def case():
                     model = load_model(folder, quantization=quantization, dtype=dtype, device=s.device)
                     model.generation_config.eos_token_id = None
-                    engine = Engine(model, IdsOnlyTokenizer(), random_head(model, kind))
+                    engine = Engine.over(model, IdsOnlyTokenizer(), random_head(model, kind))
                     return compare(engine, prompt, s.tiny_tokens)
 
                 rows.append(guarded(f"llama-h64 {quantization} {kind} {dtype}", case))
@@ -217,7 +217,7 @@ def random_llama(s: Settings, folder: Path, quantization: str) -> Engine:
         head = new_head("eagle3", config, draft_vocab_size=min(DRAFT_VOCAB, config.vocab_size))
     if head.has_vocab_map:
         head.set_vocab(torch.arange(head.config.draft_vocab))
-    return Engine(model, ByteIds(), place_head(head, model))
+    return Engine.over(model, ByteIds(), place_head(head, model))
 
 
 def method_table(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:

@@ -12,8 +12,10 @@ import torch
 from ..model.load import load_base, load_tokenizer
 from ..options import LoadOptions
 from .data import TURNS
+from ..flags import add_flags, flag_values
 from .fit import FitConfig
 
+DATA_SHARE = 0.4  # of `all --hours`: replies first, then the fit, with whatever time the replies left
 SMOKE = {"limit": 6, "max_new_tokens": 24, "max_prompt_tokens": 96, "batch_size": 6, "ttt_steps": 3,
          "draft_vocab_size": 2048, "epochs": 2.0, "batch_tokens": 512, "warmup": 2, "save_every": 0, "eval_every": 0}
 
@@ -45,32 +47,18 @@ def _data_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _fit_args(parser: argparse.ArgumentParser) -> None:
-    d = FitConfig()
     parser.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
     parser.add_argument("--work", default=None, help="features and checkpoints (default: runs/<out name>)")
     parser.add_argument("--init", default=None, help="fine-tune this trained head (folder or hub id, same kind; "
                         "its draft vocabulary is kept) instead of starting a new one")
     parser.add_argument("--draft-vocab-size", type=int, default=16384, help="EAGLE-3 draft vocabulary size")
-    parser.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="EAGLE-3 training-time-test unroll")
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--warmup", type=int, default=d.warmup)
-    parser.add_argument("--epochs", type=float, default=d.epochs)
-    parser.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per step")
-    parser.add_argument("--clip", type=float, default=d.clip)
-    parser.add_argument("--feature-noise", type=float, default=d.feature_noise, help="EAGLE-1 input noise")
-    parser.add_argument("--train-lm-head", action="store_true", help="EAGLE-3: train the draft LM head too "
-                        "(default: keep it at the base model's rows)")
-    parser.add_argument("--align-topk", type=int, default=d.align_topk, help="EAGLE-3: leave a slot out of later "
-                        "TTT steps' loss once its guess misses the target's top-k (GRIFFIN's mask; 0 = off)")
-    parser.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint period in steps")
-    parser.add_argument("--eval-every", type=int, default=d.eval_every, help="validation period in steps")
+    add_flags(FitConfig, parser)
     parser.add_argument("--val-every", type=int, default=20, help="hold out every n-th record of the first data folder")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
     parser.add_argument("--time-limit", type=float, default=None, help="stop after this many minutes (resumable)")
     parser.add_argument("--live-features", action="store_true", help="compute features on the fly (no disk cache)")
     parser.add_argument("--feature-dtype", default="float32", help="base model dtype for features where "
                         "the kernels are float (the grouped kernels take float32)")
-    parser.add_argument("--seed", type=int, default=d.seed)
 
 
 def run_data(args: argparse.Namespace, out: Path) -> None:
@@ -82,8 +70,10 @@ def run_data(args: argparse.Namespace, out: Path) -> None:
     else:
         model, tokenizer = load_generation_model(args.base, args.device, args.gen_dtype, args.kernels)
     start = time.time()
+    minutes = getattr(args, "data_minutes", None)
     build_data(model, tokenizer, out, args.source, args.limit, args.batch_size, args.max_new_tokens,
-               args.max_prompt_tokens, args.shard_size, args.temperature, replies=args.replies, turns=args.turns)
+               args.max_prompt_tokens, args.shard_size, args.temperature, replies=args.replies, turns=args.turns,
+               time_limit_s=minutes * 60 if minutes else None)
     print(f"data written to {out} in {time.time() - start:.0f}s")
 
 
@@ -146,15 +136,12 @@ def run_slice(args: argparse.Namespace) -> None:
 
 
 def run_fit(args: argparse.Namespace, data: list[str]) -> dict:
-    from .generation import load_grouped_engine
+    from .generation import load_grouped_base
     from .pipeline import fit_head, print_summary
 
-    config = FitConfig(ttt_steps=args.ttt_steps, lr=args.lr, warmup=args.warmup, epochs=args.epochs,
-                       batch_tokens=args.batch_tokens, clip=args.clip, feature_noise=args.feature_noise,
-                       train_lm_head=args.train_lm_head, align_topk=args.align_topk,
-                       save_every=args.save_every, eval_every=args.eval_every, seed=args.seed)
-    engine = load_grouped_engine(args.base, args.device, args.feature_dtype, args.kernels)
-    model = engine.model if engine else load_base(args.base, dtype=args.feature_dtype, device=args.device)[0]
+    config = FitConfig(**flag_values(FitConfig, args))
+    loaded = load_grouped_base(args.base, args.device, args.feature_dtype, args.kernels)
+    model = loaded.model if loaded else load_base(args.base, dtype=args.feature_dtype, device=args.device)[0]
     work = Path(args.work or Path("runs") / Path(args.out).name)
     summary = fit_head(model, data, args.out, work, args.kind, args.draft_vocab_size, config,
                        cache=not args.live_features, val_every=args.val_every, max_steps=args.max_steps,
@@ -170,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     _base_args(data)
     _data_args(data)
     data.add_argument("--out", required=True, help="data folder (resumed if it exists)")
+    data.add_argument("--time-limit", dest="data_minutes", type=float, default=None, help="stop after this many "
+                      "minutes, keeping the replies finished (resumable)")
     fit = commands.add_parser("fit", help="train a head on data folders, write it in the official layout")
     _base_args(fit)
     _fit_args(fit)
@@ -196,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     _fit_args(every)
     every.add_argument("--out", required=True, help="head folder (config.json + model.safetensors)")
     every.add_argument("--smoke", action="store_true", help="tiny settings that finish in minutes on a CPU")
+    every.add_argument("--hours", type=float, default=None, help="time budget for both stages: replies take up to "
+                       f"{DATA_SHARE:.0%} of it, the fit the rest (run again to resume and spend another budget)")
     args = parser.parse_args(argv)
     if getattr(args, "smoke", False):
         for key, value in SMOKE.items():
@@ -217,7 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         work = Path(args.work or Path("runs") / Path(args.out).name)
         args.work = str(work)
+        started = time.time()
+        if args.hours:
+            args.data_minutes = args.hours * 60 * DATA_SHARE
         run_data(args, work / "data")
+        if args.hours:
+            args.time_limit = max(1.0, args.hours * 60 - (time.time() - started) / 60)
         run_fit(args, [str(work / "data")])
 
 

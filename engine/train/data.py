@@ -15,6 +15,7 @@ import json
 import random
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -282,8 +283,10 @@ def read_shards(path: str | Path) -> list[dict]:
 def build_data(model, tokenizer, out: str | Path, source: str | Path | None = None, limit: int | None = None,
                batch_size: int = 64, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
                shard_size: int = 128, temperature: float = 0.0, seed: int = 0, replies: str = "regenerate",
-               turns: str = "first") -> Path:
+               turns: str = "first", time_limit_s: float | None = None) -> Path:
     """Regenerate replies for `limit` prompts into `out`; an existing `out` is resumed, never overwritten.
+
+    With a time limit, the replies finished when it runs out are written and the rest left for a later run.
 
     Replies are generated `batch_size` at a time (engine.train.generation); for replies identical to the engine's
     plain decoding, prepare the model with generation.prepare_model first. replies="keep" uses the source's own
@@ -307,9 +310,18 @@ def build_data(model, tokenizer, out: str | Path, source: str | Path | None = No
     else:
         answers = iter(())
     bar = progress_bar(total=len(prompts), initial=len(prompts) - len(todo), desc=f"{replies} replies", unit="conv")
-    write_shards(out, _records(answers, bar), shard_size)
+    write_shards(out, _until(_records(answers, bar), time_limit_s), shard_size)
     bar.close()
     return out
+
+
+def _until(records: Iterator[dict], time_limit_s: float | None) -> Iterator[dict]:
+    """The records that come before `time_limit_s` seconds have passed (all of them without a limit)."""
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+    for record in records:
+        yield record
+        if deadline is not None and time.monotonic() > deadline:
+            return
 
 
 def _records(answers: Iterable[tuple[tuple, list[int]]], bar) -> Iterator[dict]:

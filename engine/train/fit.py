@@ -12,7 +12,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from accelerate import Accelerator
 
 from ..draft.checkpoint import save_head
 from ..draft.head import DraftHead
+from ..flags import flag
 from ..progress import progress_bar
 from ..model.packed import PackedLinear
 from ..model.quant import QuantLinear
@@ -28,21 +29,30 @@ from ..model.quant import QuantLinear
 
 @dataclass
 class FitConfig:
-    ttt_steps: int = 7  # EAGLE-3 unroll depth (the paper's 7); EAGLE-1 always uses 1
+    """How a head is fitted; each field with a flag is a `python -m engine.train fit` option (engine.flags)."""
+
+    ttt_steps: int = field(default=7, metadata=flag(  # the paper's 7; EAGLE-1 always uses 1
+        "--ttt-steps", "EAGLE-3 training-time-test unroll", type=int))
     step_decay: float = 0.8  # weight of unroll step s is decay**s
-    lr: float = 1e-3
+    lr: float = field(default=1e-3, metadata=flag("--lr", "peak learning rate", type=float))
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
-    warmup: int = 50
-    epochs: float = 1.0
-    batch_tokens: int = 4096  # padded tokens per optimiser step (per process)
+    warmup: int = field(default=50, metadata=flag("--warmup", "warm-up steps", type=int))
+    epochs: float = field(default=1.0, metadata=flag("--epochs", "passes over the training records", type=float))
+    batch_tokens: int = field(default=4096, metadata=flag(
+        "--batch-tokens", "padded tokens per step (per process)", type=int))
     weight_decay: float = 0.0
-    clip: float = 0.5  # gradient-norm clipping
-    feature_noise: float = 0.0  # EAGLE-1 only: uniform noise amplitude added to input features
-    train_lm_head: bool = False  # EAGLE-3: keep the LM head at the base model's rows (cheaper, learns faster)
-    align_topk: int = 0  # EAGLE-3: a slot leaves later steps' loss once its greedy guess misses the target's top-k
-    save_every: int = 200
-    eval_every: int = 200
-    seed: int = 0
+    clip: float = field(default=0.5, metadata=flag("--clip", "gradient-norm clipping", type=float))
+    feature_noise: float = field(default=0.0, metadata=flag(
+        "--feature-noise", "EAGLE-1 only: uniform noise amplitude added to input features", type=float))
+    train_lm_head: bool = field(default=False, metadata=flag(
+        "--train-lm-head", "EAGLE-3: train the draft LM head too (default: keep it at the base model's rows, "
+        "cheaper and faster to learn)", action="store_true"))
+    align_topk: int = field(default=0, metadata=flag(
+        "--align-topk", "EAGLE-3: leave a slot out of later TTT steps' loss once its guess misses the target's "
+        "top-k (GRIFFIN's mask; 0 = off)", type=int))
+    save_every: int = field(default=200, metadata=flag("--save-every", "checkpoint period in steps", type=int))
+    eval_every: int = field(default=200, metadata=flag("--eval-every", "validation period in steps", type=int))
+    seed: int = field(default=0, metadata=flag("--seed", "batch order and noise", type=int))
 
 
 def bf16_supported() -> bool:

@@ -26,12 +26,13 @@ from torch import nn
 from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from ..engine import Engine
 from ..model.fused import sliding_window
 from ..model.load import load_base
 from ..model.packed import bf16_native, pack_linears
-from ..model.quant import GROUPED, gguf_file, kv_dtype, resolve_kernels
+from ..model.quant import kv_dtype
+from ..model.target_load import LoadedBase, load_target
 from ..decode.accept import Sampling, greedy_tokens
+from ..options import LoadOptions
 
 FUSED_WIDE = "eagle_wide_fused"
 GROUPED_ATTENTION = "eagle_grouped"
@@ -45,20 +46,20 @@ def generation_dtype(device: str) -> str:
     return "bfloat16" if torch.device(device).type == "cuda" or bf16_native() else "float32"
 
 
-def load_grouped_engine(base: str | None, device: str, dtype: str, kernels: str) -> Engine | None:
-    """The engine (no head) where its model is a GGUF base on the grouped kernels (Engine.load's kernels, "auto":
-    int8 on the CPU), whose rows are batch-invariant in transformers' forward too; None where the kernels resolve
-    to float layers."""
-    chosen = resolve_kernels(kernels, device, dtype, True, "none", gguf_file(base))
-    return Engine.load(base, head=None, device=device, kernels=chosen, corpus=None) if chosen in GROUPED else None
+def load_grouped_base(base: str | None, device: str, dtype: str, kernels: str) -> LoadedBase | None:
+    """The base the engine decodes (engine.model.target_load.load_target, with Engine.load's kernels: "auto" is int8
+    on the CPU) where it is on the grouped kernels, whose rows are batch-invariant in transformers' forward too; None
+    where the kernels resolve to float layers."""
+    target = LoadOptions(base=base, head=None, device=device, dtype=dtype, kernels=kernels, corpus=None).target
+    return load_target(target) if target.kernels.grouped else None
 
 
 def load_generation_model(base: str | None, device: str, gen_dtype: str = "auto", kernels: str = "auto"):
     """(model, tokenizer) whose plain greedy decoding the replies are: the model the engine decodes
-    (load_grouped_engine), else the base packed in `gen_dtype` with float64-summed attention."""
-    engine = load_grouped_engine(base, device, gen_dtype, kernels)
-    if engine is not None:
-        return engine.model, engine.tokenizer
+    (load_grouped_base), else the base packed in `gen_dtype` with float64-summed attention."""
+    loaded = load_grouped_base(base, device, gen_dtype, kernels)
+    if loaded is not None:
+        return loaded.model, loaded.tokenizer
     model, tokenizer = load_base(base, dtype=generation_dtype(device) if gen_dtype == "auto" else gen_dtype,
                                  device=device)
     prepare_model(model)

@@ -3,13 +3,16 @@ grouped linear layers (on float32 or int8 activations) and a float32 attention w
 whatever shares their forward, and whole forwards built from them (engine.model.fused).
 
 Compiled on first use with torch's extension builder (a C++ compiler and ninja; cached under
-~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) for x86 CPUs with AVX2 and FMA. Where that cannot happen the
-engine keeps its float kernels (engine.model.packed, engine.model.attention's float64 path) and says why once.
+~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR, in a folder named after a digest of the sources and flags, so that
+an edit, or another checkout whose kernels differ, builds its own rather than loading or overwriting another's) for
+x86 CPUs with AVX2 and FMA. Where that cannot happen the engine keeps its float kernels (engine.model.packed,
+engine.model.attention's float64 path) and says why once.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -21,6 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = sorted(str(source) for source in HERE.glob("*.cpp"))  # each includes kernels.h, from HERE
+HEADERS = sorted(str(header) for header in HERE.glob("*.h"))
 # No contraction the source does not ask for; OpenMP, without which every kernel runs on one thread.
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 SILENT_S = 2.0  # a load of the cached build takes less: longer means it compiles
@@ -36,12 +40,20 @@ def unavailable_reason() -> str | None:
         from torch.utils.cpp_extension import load
 
         with _said_while_building():
-            load(name="eagle_cpu_kernels", sources=SOURCES, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+            load(name=build_name(), sources=SOURCES, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                  extra_include_paths=[str(HERE)], is_python_module=False)
     except (OSError, RuntimeError, ImportError) as err:  # no compiler, no ninja, a failed build
         log.warning("engine/model/kernels could not be built, the float kernels stay: %s", str(err).splitlines()[0])
         return f"building engine/model/kernels failed: {str(err).splitlines()[0]}"
     return None
+
+
+def build_name() -> str:
+    """The extension's name in torch's cache: eagle_cpu_kernels and a digest of every source, header and flag."""
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    for path in (*SOURCES, *HEADERS):
+        digest.update(Path(path).name.encode() + b"\0" + Path(path).read_bytes())
+    return f"eagle_cpu_kernels_{digest.hexdigest()[:16]}"
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 // rms_norm, rotary and the residual stream by hand, and the two whole forwards built from them and the other files'
-// kernels: a grouped decoder of the Llama, Qwen2, Qwen3 or Gemma 3 family (decoder_forward) and an EAGLE-3
-// head (eagle3_head), op for op as transformers runs them, so every output has the very same bits, without Python
-// between their ops.
+// kernels: a grouped decoder of the Llama, Qwen2, Qwen3 or Gemma 3 family (Decoder::forward) and an EAGLE-3 head
+// (Eagle3Head::forward), op for op as transformers runs them, so every output has the very same bits, without Python
+// between their ops; their weights are built and checked once (weights.cpp).
 #include "kernels.h"
 
 #include <algorithm>
@@ -199,45 +199,42 @@ void norm_heads(at::Tensor& qkv, int64_t from, int64_t heads, int64_t head_dim, 
   qkv.narrow(-1, from, heads * head_dim).copy_(rms_norm(part, weight, eps).view({1, rows, heads * head_dim}));
 }
 
-// Norm tensors of a layer, in this order; a model without one holds an empty tensor there.
-enum Norm { INPUT, POST_ATTENTION, PRE_MLP, POST_MLP, Q_NORM, K_NORM, NORMS };
-// Projections of a layer, each as codes, scales, mins, block scales, block mins, bias (empty where absent).
-enum Projection { Q, K, V, O, GATE, UP, DOWN, PROJECTIONS };
-constexpr int64_t PER_PROJECTION = 6;
-constexpr int64_t LAYER_TENSORS = NORMS + PER_PROJECTION * PROJECTIONS;
-
-bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
-
-std::optional<at::Tensor> optional(const at::Tensor& t) {
-  return present(t) ? std::optional<at::Tensor>(t) : std::nullopt;
+// x through one projection's groups on the float kernels: 4-bit codes are Q4_1's (with mins), 8-bit ones Q8_0's.
+at::Tensor float_linear(const at::Tensor& x, const Linear& w) {
+  return w.codes.scalar_type() == at::kByte ? q4_1_linear(x, w.codes, w.scales, w.mins, maybe(w.bias))
+                                            : q8_0_linear(x, w.codes, w.scales, maybe(w.bias));
 }
 
-// x through one projection's groups on the float kernels: 4-bit codes are Q4_1's (with mins), 8-bit ones Q8_0's.
-at::Tensor float_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                        const std::optional<at::Tensor>& bias) {
-  return codes.scalar_type() == at::kByte ? q4_1_linear(x, codes, scales, mins, bias)
-                                          : q8_0_linear(x, codes, scales, bias);
+const float* bias_of(const Linear& w) { return w.bias.defined() ? w.bias.data_ptr<float>() : nullptr; }
+
+// x through a linear layer, as its QuantLinear computes it: on the int8 layout or on the float kernels' groups.
+at::Tensor linear(const Linear& w, const at::Tensor& x, bool int8) {
+  return int8 ? int8_linears(x, {int8_layer(w, x.size(-1))}, {bias_of(w)}) : float_linear(x, w);
 }
 
 // The projections `which` of a layer on input x, side by side as stacked ones give them: int8 layers in one call
 // (the input rounded once), float-activation ones (q4) each on its own kernel, then joined.
-at::Tensor project(const at::Tensor* w, std::initializer_list<int> which, const at::Tensor& x, bool int8) {
-  const auto part = [&](int p, int k) -> const at::Tensor& { return w[NORMS + PER_PROJECTION * p + k]; };
+at::Tensor project(const Layer& layer, std::initializer_list<int> which, const at::Tensor& x, bool int8) {
   if (int8) {
     std::vector<Int8Layer> layers;
     std::vector<const float*> biases;
     for (const int p : which) {
-      const at::Tensor& bias = part(p, 5);
-      const int64_t out = present(bias) ? bias.numel() : part(p, 1).size(0) * LANES;
-      layers.push_back(int8_layer(part(p, 0), part(p, 1), optional(part(p, 2)), optional(part(p, 3)),
-                                  optional(part(p, 4)), out, x.size(-1)));
-      biases.push_back(present(bias) ? bias.data_ptr<float>() : nullptr);
+      layers.push_back(int8_layer(layer.projections[p], x.size(-1)));
+      biases.push_back(bias_of(layer.projections[p]));
     }
     return int8_linears(x, layers, biases);
   }
   std::vector<at::Tensor> outs;
-  for (const int p : which) outs.push_back(float_linear(x, part(p, 0), part(p, 1), part(p, 2), optional(part(p, 5))));
+  for (const int p : which) outs.push_back(float_linear(x, layer.projections[p]));
   return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
+}
+
+// A cache buffer as the layers write and read it: [1, kv_heads, at least `end` positions, head_dim].
+void check_buffer(const at::Tensor& buffer, const Shape& shape, int64_t end, const char* model) {
+  TORCH_CHECK(buffer.dim() == 4 && buffer.size(0) == 1 && buffer.size(1) == shape.kv_heads &&
+                  buffer.size(2) >= end && buffer.size(3) == shape.head_dim,
+              model, ": cache buffers are [1, ", shape.kv_heads, ", at least ", end, ", ", shape.head_dim, "], got ",
+              buffer.sizes());
 }
 
 }  // namespace
@@ -247,31 +244,25 @@ at::Tensor project(const at::Tensor* w, std::initializer_list<int> which, const 
 // output has the very same bits, without Python between the ~40 ops of a layer. One body for the families it
 // describes (engine/model/fused.py): Llama, Qwen2 (q, k, v biases), Qwen3 (q and k norms), Gemma 3 (q and k norms,
 // a norm after attention and after the MLP, GeGLU, sliding-window layers with their own rotary tables).
-// embeddings [1, M, E]; cos, sin [1, M, head_dim] (local_cos, local_sin: the sliding layers' own, if they have
-// their own); mask as attention() takes it (absent: causal), sliding_mask the sliding layers' (absent: theirs is
-// the mask); weights: per layer LAYER_TENSORS tensors (the norms, then each projection's groups and bias); caches:
-// per layer key and value buffers [1, Hkv, capacity, head_dim] (float32 or float16) with room for start + M
-// positions, written at start; sliding: per layer whether it is a sliding-window one.
-// Returns the final-norm hidden states [1, M, E], then the inputs of the layers listed in `capture`, in its order.
-std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
-                                        const std::optional<at::Tensor>& local_cos,
-                                        const std::optional<at::Tensor>& local_sin,
-                                        const std::optional<at::Tensor>& mask,
-                                        const std::optional<at::Tensor>& sliding_mask,
-                                        const c10::intrusive_ptr<Weights>& held, at::TensorList caches,
-                                        const at::Tensor& final_norm, int64_t start, int64_t head_dim, double eps,
-                                        double scale, at::IntArrayRef capture, bool int8, at::IntArrayRef sliding,
-                                        bool gelu) {
-  const std::vector<at::Tensor>& weights = held->tensors;
-  const int64_t layers = static_cast<int64_t>(caches.size()) / 2, rows = embeddings.size(1), end = start + rows;
-  TORCH_CHECK(embeddings.dim() == 3 && embeddings.size(0) == 1, "decoder_forward takes embeddings [1, M, E]");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * LAYER_TENSORS && static_cast<int64_t>(sliding.size())
-                  == layers, "decoder_forward: ", LAYER_TENSORS, " weight tensors and a sliding flag per layer, got ",
-              weights.size(), " and ", sliding.size(), " for ", layers);
-  for (const at::Tensor& buffer : caches)
-    TORCH_CHECK(buffer.dim() == 4 && buffer.size(2) >= end, "decoder_forward: a cache buffer holds fewer than ", end,
-                " positions");
-  std::vector<at::Tensor> out(1 + capture.size());
+// embeddings [1, M, E]; rotary: cos, sin [1, M, head_dim], then the sliding layers' own if they have their own;
+// mask as attention() takes it (absent: causal), sliding_mask the sliding layers' (absent: theirs is the mask);
+// caches: per layer key and value buffers [1, Hkv, capacity, head_dim] (float32 or float16) with room for
+// start + M positions, written at start.
+// Returns the final-norm hidden states [1, M, E] and the inputs of the layers listed in `capture`, in its order.
+std::tuple<at::Tensor, std::vector<at::Tensor>> Decoder::forward(const at::Tensor& embeddings, const Rotary& rotary,
+                                                                 const std::optional<at::Tensor>& mask,
+                                                                 const std::optional<at::Tensor>& sliding_mask,
+                                                                 const std::vector<at::Tensor>& caches, int64_t start,
+                                                                 const std::vector<int64_t>& capture) const {
+  const auto& [cos, sin, local_cos, local_sin] = rotary;
+  const int64_t count = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(embeddings.dim() == 3 && embeddings.size(0) == 1 && embeddings.size(2) == shape.hidden,
+              "decoder: embeddings are [1, M, ", shape.hidden, "], got ", embeddings.sizes());
+  const int64_t rows = embeddings.size(1), end = start + rows;
+  TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * count, "decoder: a key and a value buffer a layer, ",
+              2 * count, ", got ", caches.size());
+  for (const at::Tensor& buffer : caches) check_buffer(buffer, shape, end, "decoder");
+  std::vector<at::Tensor> captured(capture.size());
   at::Tensor h = embeddings.contiguous().clone();  // the residual stream, added to in place
   const at::Tensor cos_rows = cos.contiguous(), sin_rows = sin.contiguous();  // themselves, as the tables come
   const at::Tensor local_cos_rows = local_cos.has_value() ? local_cos->contiguous() : cos_rows;
@@ -279,91 +270,83 @@ std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::
   const std::vector<Visible> visible = visible_rows(mask, 1, rows, end);  // the same in every layer of its kind
   const std::vector<Visible> visible_sliding =
       sliding_mask.has_value() ? visible_rows(sliding_mask, 1, rows, end) : visible;
-  for (int64_t layer = 0; layer < layers; ++layer) {
+  const int64_t head_dim = shape.head_dim, qf = shape.heads * head_dim;
+  for (int64_t index = 0; index < count; ++index) {
     for (size_t i = 0; i < capture.size(); ++i)
-      if (capture[i] == layer) out[1 + i] = h.clone();
-    const at::Tensor* w = weights.data() + layer * LAYER_TENSORS;
-    const bool local = sliding[layer] != 0;
-    const at::Tensor &keys = caches[2 * layer], &values = caches[2 * layer + 1];
-    at::Tensor qkv = project(w, {Q, K, V}, rms_norm(h, w[INPUT], eps), int8);  // each feature as its projection's
-    const int64_t kv = keys.size(1) * head_dim, qf = qkv.size(-1) - 2 * kv;
-    if (present(w[Q_NORM])) norm_heads(qkv, 0, qf / head_dim, head_dim, w[Q_NORM], eps);
-    if (present(w[K_NORM])) norm_heads(qkv, qf, kv / head_dim, head_dim, w[K_NORM], eps);
+      if (capture[i] == index) captured[i] = h.clone();
+    const Layer& w = layers[index];
+    const bool local = sliding[index];
+    const at::Tensor &keys = caches[2 * index], &values = caches[2 * index + 1];
+    at::Tensor qkv = project(w, {Q, K, V}, rms_norm(h, w.norms[INPUT], eps), int8);  // each feature as its projection's
+    if (w.norms[Q_NORM].defined()) norm_heads(qkv, 0, shape.heads, head_dim, w.norms[Q_NORM], eps);
+    if (w.norms[K_NORM].defined()) norm_heads(qkv, qf, shape.kv_heads, head_dim, w.norms[K_NORM], eps);
     const at::Tensor &layer_cos = local ? local_cos_rows : cos_rows, &layer_sin = local ? local_sin_rows : sin_rows;
-    const at::Tensor q = rotated(qkv, 0, qf / head_dim, head_dim, layer_cos, layer_sin);
+    const at::Tensor q = rotated(qkv, 0, shape.heads, head_dim, layer_cos, layer_sin);
     write_keys_values(qkv, qf, head_dim, layer_cos, layer_sin, keys, values, start);
     const at::Tensor attended = attend(q, keys.slice(2, 0, end), values.slice(2, 0, end),
                                        local ? visible_sliding : visible, scale);
     at::Tensor y = project(w, {O}, attended.reshape({1, rows, -1}), int8);
-    add_into(h, present(w[POST_ATTENTION]) ? rms_norm(y, w[POST_ATTENTION], eps) : y);
-    y = project(w, {DOWN}, gated(project(w, {GATE, UP}, rms_norm(h, w[PRE_MLP], eps), int8), gelu), int8);
-    add_into(h, present(w[POST_MLP]) ? rms_norm(y, w[POST_MLP], eps) : y);
+    add_into(h, w.norms[POST_ATTENTION].defined() ? rms_norm(y, w.norms[POST_ATTENTION], eps) : y);
+    y = project(w, {DOWN}, gated(project(w, {GATE, UP}, rms_norm(h, w.norms[PRE_MLP], eps), int8), gelu), int8);
+    add_into(h, w.norms[POST_MLP].defined() ? rms_norm(y, w.norms[POST_MLP], eps) : y);
   }
   for (size_t i = 0; i < capture.size(); ++i)
-    TORCH_CHECK(out[1 + i].defined(), "decoder_forward: no layer ", capture[i], " to capture");
-  out[0] = rms_norm(h, final_norm, eps);
-  return out;
+    TORCH_CHECK(captured[i].defined(), "decoder: no layer ", capture[i], " to capture");
+  return {rms_norm(h, final_norm, eps), captured};
 }
 
-namespace {
-
-// x through a linear layer of `features` outputs given as [codes, scales, mins, block scales, block mins] (empty
-// where absent), as its QuantLinear computes it: on the int8 layout or on the float kernels' Q4_1 or Q8_0 groups.
-at::Tensor linear_of(at::TensorList w, const at::Tensor& x, bool int8, int64_t features) {
-  TORCH_CHECK(w.size() == 5, "a linear layer is codes, scales, mins, block scales and block mins");
-  if (int8)
-    return int8_linear(x, w[0], w[1], optional(w[2]), optional(w[3]), optional(w[4]), std::nullopt, features);
-  return float_linear(x, w[0], w[1], w[2], std::nullopt);
+void Eagle3Head::set_rotary(const at::Tensor& cos_table, const at::Tensor& sin_table) {
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && cos_table.dim() == 2 && cos_table.size(1) == shape.head_dim &&
+                  sin_table.sizes() == cos_table.sizes() && sin_table.scalar_type() == at::kFloat,
+              "EAGLE-3 head: rotary tables are float32 [positions, ", shape.head_dim, "]");
+  cos = cos_table, sin = sin_table;
 }
-
-// The head's token embeddings [1, T, H]: `embedding` is either the rows themselves or the base's int8 table as
-// [codes, scales, mins, block scales, block mins, scale] (GroupedEmbedding: the rows, times its scale if it has one).
-at::Tensor embeddings_of(at::TensorList embedding, const at::Tensor& token_ids, int64_t vocab) {
-  if (embedding.size() == 1) return embedding[0];
-  TORCH_CHECK(embedding.size() == 6, "the embedding: its rows, or a table as 6 tensors");
-  const at::Tensor rows = int8_rows(token_ids, embedding[0], embedding[1], optional(embedding[2]),
-                                    optional(embedding[3]), optional(embedding[4]), vocab);
-  return (present(embedding[5]) ? rows * embedding[5] : rows).unsqueeze(0);
-}
-
-}  // namespace
 
 // The EAGLE-3 head over T new slots as engine/draft/eagle3.py runs it (fc, the token embeddings, its decoder layer
 // with layers.py's Attention and MLP), on Q4_1 or Q8_0 projections, op for op as the Python modules run them, so
 // drafts come out with the same bits, without Python between its ~40 ops: a draft round's few rows cost less than
 // the Python around them would.
-// hidden [1, T, F] (fc given: the base's fused features) or [1, T, H] (the head's own outputs); token_ids [T];
-// positions [T], rows of the rotary tables cos_table, sin_table [P, head_dim]; keys and values: the head's float32
-// cache buffers [1, Hkv, capacity, head_dim], this call's keys and values written at `start` and attention reading
-// positions [0, start + T) in place (no copy of the cache); mask bool [1, 1, T, start + T], absent: every cached
-// position and the new ones causally; layer: LAYER_TENSORS tensors as decoder_forward takes a layer's (the input
-// norm, normed the token embeddings here, at INPUT and the post-attention norm at PRE_MLP), hidden_norm: the norm of
-// the hidden states beside them; fc: [] or a linear (linear_of); embedding: see embeddings_of (vocab: the table's
-// rows); lm_head: [] or the final norm's weight and a linear of draft_vocab outputs.
-// Returns the layer's output [1, T, H] and, with lm_head, the draft logits of its last row [V_draft] (else empty).
-std::vector<at::Tensor> eagle3_head(const at::Tensor& hidden, const at::Tensor& token_ids, const at::Tensor& positions,
-                                    const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& keys,
-                                    const at::Tensor& values, int64_t start, const std::optional<at::Tensor>& mask,
-                                    at::TensorList layer, const at::Tensor& hidden_norm, at::TensorList fc,
-                                    at::TensorList embedding, at::TensorList lm_head, int64_t vocab,
-                                    int64_t draft_vocab, int64_t heads, int64_t head_dim, double eps, bool int8) {
-  TORCH_CHECK(static_cast<int64_t>(layer.size()) == LAYER_TENSORS, "eagle3_head: ", LAYER_TENSORS,
-              " tensors of the layer, got ", layer.size());
+// hidden [1, T, features] (from_target: the base's fused features, through fc) or [1, T, H] (the head's own
+// outputs); tokens: their ids [T], and their embeddings [1, T, H] where the head holds no table (else it looks the
+// rows up itself); positions [T], rows of the rotary tables (set_rotary); cache: the head's float32 buffers
+// [1, Hkv, capacity, head_dim], this call's keys and values written at its start and attention reading positions
+// [0, start + T) in place (no copy of the cache); mask bool [1, 1, T, start + T], absent: every cached position and
+// the new ones causally.
+// Returns the layer's output [1, T, H] and, with `logits`, the draft logits of its last row [V_draft].
+std::tuple<at::Tensor, std::optional<at::Tensor>> Eagle3Head::forward(const at::Tensor& hidden, const Tokens& tokens,
+                                                                      const at::Tensor& positions,
+                                                                      const std::optional<at::Tensor>& mask,
+                                                                      const CacheView& cache, bool from_target,
+                                                                      bool logits) const {
+  const auto& [token_ids, embedded] = tokens;
+  const auto& [keys, values, start] = cache;
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 3 && hidden.size(0) == 1,
-              "eagle3_head takes float32 hidden states [1, T, F]");
+              "EAGLE-3 head: float32 hidden states [1, T, F]");
   const int64_t rows = hidden.size(1), end = start + rows;
-  TORCH_CHECK(token_ids.numel() == rows && positions.numel() == rows, "eagle3_head: a token and a position a row");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.dim() == 4 && keys.size(2) >= end,
-              "eagle3_head: float32 cache buffers with room for ", end, " positions");
-  const at::Tensor* w = layer.data();
-  const at::Tensor h = fc.empty() ? hidden : linear_of(fc, hidden, int8, hidden_norm.numel());
-  const at::Tensor embeds = embeddings_of(embedding, token_ids.reshape({-1}), vocab);
-  const at::Tensor x = at::cat({rms_norm(embeds, w[INPUT], eps), rms_norm(h, hidden_norm, eps)}, -1);
+  TORCH_CHECK(token_ids.numel() == rows && positions.numel() == rows, "EAGLE-3 head: a token and a position a row");
+  TORCH_CHECK(embedding.has_value() != embedded.has_value(), "EAGLE-3 head: tokens are ids and ",
+              embedding ? "no embeddings (the head looks them up)" : "their embeddings (the head holds no table)");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+              "EAGLE-3 head: float32 cache buffers");
+  check_buffer(keys, shape, end, "EAGLE-3 head");
+  TORCH_CHECK(cos.defined(), "EAGLE-3 head: no rotary tables (set_rotary)");
+  const Layer& w = layer;
+  const at::Tensor h = from_target ? linear(fc, hidden, int8) : hidden;
+  at::Tensor embeds;
+  if (embedding) {  // GroupedEmbedding: the rows, times its scale if it has one
+    const at::Tensor looked_up = int8_rows(token_ids.reshape({-1}), embedding->codes, embedding->scales,
+                                           maybe(embedding->mins), maybe(embedding->block_scales),
+                                           maybe(embedding->block_mins), vocab);
+    embeds = (embedding_scale.defined() ? looked_up * embedding_scale : looked_up).unsqueeze(0);
+  } else {
+    embeds = *embedded;
+  }
+  const at::Tensor x = at::cat({rms_norm(embeds, w.norms[INPUT], eps), rms_norm(h, hidden_norm, eps)}, -1);
   const at::Tensor qkv = project(w, {Q, K, V}, x, int8);
-  const int64_t qf = heads * head_dim;
+  const int64_t heads = shape.heads, head_dim = shape.head_dim, qf = heads * head_dim;
   const at::Tensor at_positions = positions.reshape({-1});
-  const at::Tensor cos_rows = cos_table.index_select(0, at_positions);
-  const at::Tensor sin_rows = sin_table.index_select(0, at_positions);
+  const at::Tensor cos_rows = cos.index_select(0, at_positions);
+  const at::Tensor sin_rows = sin.index_select(0, at_positions);
   const at::Tensor q = rotated(qkv, 0, heads, head_dim, cos_rows, sin_rows);
   write_keys_values(qkv, qf, head_dim, cos_rows, sin_rows, keys, values, start);
   const at::Tensor seen_keys = keys.slice(2, 0, end), seen_values = values.slice(2, 0, end);
@@ -375,7 +358,7 @@ std::vector<at::Tensor> eagle3_head(const at::Tensor& hidden, const at::Tensor& 
     visible.narrow(-1, start, rows).copy_(at::ones({rows, rows}, visible.options()).tril());
   }
   // layers.attend: query heads sharing a key/value head become rows of one attention, the mask repeated for each.
-  const int64_t kv_heads = keys.size(1), groups = heads / kv_heads;
+  const int64_t kv_heads = shape.kv_heads, groups = heads / kv_heads;
   at::Tensor attended;
   if (groups == 1) {
     attended = at::scaled_dot_product_attention(q, seen_keys, seen_values, visible);
@@ -385,12 +368,11 @@ std::vector<at::Tensor> eagle3_head(const at::Tensor& hidden, const at::Tensor& 
     attended = at::scaled_dot_product_attention(grouped, seen_keys, seen_values, repeated).view({1, heads, rows, head_dim});
   }
   const at::Tensor after = h + project(w, {O}, attended.transpose(1, 2).reshape({1, rows, -1}), int8);
-  const at::Tensor out =
-      after + project(w, {DOWN}, gated(project(w, {GATE, UP}, rms_norm(after, w[PRE_MLP], eps), int8), false), int8);
-  if (lm_head.empty()) return {out, at::Tensor()};
-  TORCH_CHECK(lm_head.size() == 6, "eagle3_head: the LM head is the final norm's weight and a linear");
+  const at::Tensor gate_up = project(w, {GATE, UP}, rms_norm(after, w.norms[PRE_MLP], eps), int8);
+  const at::Tensor out = after + project(w, {DOWN}, gated(gate_up, false), int8);
+  if (!logits) return {out, std::nullopt};
   const at::Tensor last = out.narrow(1, rows - 1, 1);
-  return {out, linear_of(lm_head.slice(1), rms_norm(last, lm_head[0], eps), int8, draft_vocab).reshape({-1})};
+  return {out, linear(lm_head, rms_norm(last, final_norm, eps), int8).reshape({-1})};
 }
 
 }  // namespace eagle_cpu

@@ -16,16 +16,17 @@
 //    key/value head go through together, and so do the rows of a call (a tree's nodes), each key and value read
 //    from memory once for all of them; keys and values float32 or float16 (widened exactly on load).
 // Then two whole forwards built from those and torch's own ops, in transformers' order (engine/model/fused.py): a
-// decoder of the Llama, Qwen2, Qwen3 or Gemma 3 family on grouped layers (decoder_forward) and an EAGLE-3 head
-// (eagle3_head), without Python between their ops.
+// decoder of the Llama, Qwen2, Qwen3 or Gemma 3 family on grouped layers (Decoder) and an EAGLE-3 head (Eagle3Head),
+// without Python between their ops: objects built once, their weights by name, a call passing what changes.
 //
 // One job a file, all in namespace eagle_cpu, each file's own helpers in an anonymous namespace inside it:
 //   kernels.h      what the files share: vector helpers, the 8- and 16-lane traits, the switches, the entry points
 //   linear.cpp     grouped_linear: Q4_1 and Q8_0 groups against float32 rows (q4_1_linear, q8_0_linear)
 //   int8.cpp       every GGUF type's groups against int8 rows (quantize_rows, the AVX2 and AVX-512 VNNI tiles)
 //   attention.cpp  the fixed-order attention (visible_rows, attend, attention)
-//   forward.cpp    rms_norm, rotary, the residual stream, decoder_forward and eagle3_head
-//   ops.cpp        the switches (set_wide, set_vnni) and the torch.ops.eagle_cpu registration
+//   forward.cpp    rms_norm, rotary, the residual stream, Decoder::forward and Eagle3Head::forward
+//   weights.cpp    the two forwards' weights by name, checked as a model is built (Decoder, Eagle3Head)
+//   ops.cpp        the switches (set_wide, set_vnni), the torch.ops.eagle_cpu registration and the two classes
 #pragma once
 
 #include <ATen/ATen.h>
@@ -36,9 +37,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
+#include <tuple>
 #include <vector>
 
 namespace eagle_cpu {
@@ -255,29 +259,93 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tens
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const std::optional<at::Tensor>& mask, double scale);
 
-// forward.cpp
-// A model's weight tensors, handed to the kernels once (engine.model.fused) rather than as a list of hundreds with every
-// call: converting that list took ~0.1 ms a forward.
-struct Weights : torch::CustomClassHolder {
-  std::vector<at::Tensor> tensors;
-  explicit Weights(std::vector<at::Tensor> held) : tensors(std::move(held)) {}
-};
+// forward.cpp: rms_norm (the kernels' RMSNorm, transformers' bits), and the two whole forwards as objects built once,
+// when a model is prepared (engine/model/fused.py, engine/draft/fused.py): the weights handed by name and checked then
+// (weights.cpp), a call passing only what changes from call to call.
 int64_t torch_sum_lanes();
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::vector<at::Tensor> decoder_forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
-                                        const std::optional<at::Tensor>& local_cos,
-                                        const std::optional<at::Tensor>& local_sin,
-                                        const std::optional<at::Tensor>& mask,
-                                        const std::optional<at::Tensor>& sliding_mask,
-                                        const c10::intrusive_ptr<Weights>& held, at::TensorList caches,
-                                        const at::Tensor& final_norm, int64_t start, int64_t head_dim, double eps,
-                                        double scale, at::IntArrayRef capture, bool int8, at::IntArrayRef sliding,
-                                        bool gelu);
-std::vector<at::Tensor> eagle3_head(const at::Tensor& hidden, const at::Tensor& token_ids, const at::Tensor& positions,
-                                    const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& keys,
-                                    const at::Tensor& values, int64_t start, const std::optional<at::Tensor>& mask,
-                                    at::TensorList layer, const at::Tensor& hidden_norm, at::TensorList fc,
-                                    at::TensorList embedding, at::TensorList lm_head, int64_t vocab,
-                                    int64_t draft_vocab, int64_t heads, int64_t head_dim, double eps, bool int8);
+
+// weights.cpp
+// A grouped linear layer: its tensors (undefined where absent) for the float kernels (codes, scales, Q4_1's mins) or
+// the int8 ones (block scales and mins too), and its bias.
+struct Linear {
+  at::Tensor codes, scales, mins, block_scales, block_mins, bias;
+  int64_t out_features = 0;
+};
+// The int8 kernels' view of a linear layer's groups, for inputs of `in_features` (taken at each call, from the
+// tensors as they are then).
+Int8Layer int8_layer(const Linear& w, int64_t in_features);
+
+inline std::optional<at::Tensor> maybe(const at::Tensor& t) {  // an absent (undefined) tensor as an absent argument
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// A decoder layer: its norms' weights as the kernels multiply by them (w, or Gemma's 1 + w; undefined where the
+// family has no norm there), and its projections.
+enum Norm { INPUT, POST_ATTENTION, PRE_MLP, POST_MLP, Q_NORM, K_NORM, NORMS };
+enum Projection { Q, K, V, O, GATE, UP, DOWN, PROJECTIONS };
+struct Layer {
+  std::array<at::Tensor, NORMS> norms;
+  std::array<Linear, PROJECTIONS> projections;
+};
+
+// The dimensions a model's weights have, given by name when it is built.
+struct Shape {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate;
+};
+
+using Dimensions = c10::Dict<std::string, int64_t>;
+using NamedWeights = c10::Dict<std::string, at::Tensor>;
+// What a call passes, grouped: the rotary tables [1, M, head_dim] (cos, sin, then the sliding layers' own where they
+// have their own); a head's tokens (their ids, and their embeddings where the head holds no table); a head's cache
+// (key and value buffers and the position this call's rows go in at).
+using Rotary = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>;
+using Tokens = std::tuple<at::Tensor, std::optional<at::Tensor>>;
+using CacheView = std::tuple<at::Tensor, at::Tensor, int64_t>;
+
+// A decoder-only model of the Llama, Qwen2, Qwen3 or Gemma 3 family on grouped layers
+// (torch.classes.eagle_cpu.Decoder).
+struct Decoder : torch::CustomClassHolder {
+  // dimensions: hidden, heads, kv_heads, head_dim, intermediate; sliding: per layer whether it is a sliding-window
+  // one; weights: final_norm, and each layer's under layers.<i>. (weights.cpp names them).
+  Decoder(const Dimensions& dimensions, double eps, double scale, bool gelu, bool int8,
+          const c10::List<bool>& sliding, const NamedWeights& weights);
+  std::tuple<at::Tensor, std::vector<at::Tensor>> forward(const at::Tensor& embeddings, const Rotary& rotary,
+                                                          const std::optional<at::Tensor>& mask,
+                                                          const std::optional<at::Tensor>& sliding_mask,
+                                                          const std::vector<at::Tensor>& caches, int64_t start,
+                                                          const std::vector<int64_t>& capture) const;
+
+  Shape shape;
+  double eps, scale;
+  bool gelu, int8;
+  std::vector<bool> sliding;
+  std::vector<Layer> layers;
+  at::Tensor final_norm;
+};
+
+// An EAGLE-3 head on grouped layers (torch.classes.eagle_cpu.Eagle3Head).
+struct Eagle3Head : torch::CustomClassHolder {
+  // dimensions: hidden, heads, kv_heads, head_dim, intermediate, features (fc's inputs), vocab (the base's table's
+  // rows, 0 without one), draft_vocab; weights: its layer's, hidden_norm, fc, final_norm, lm_head, and the base's
+  // int8 embedding table where the head reads it itself (weights.cpp names them).
+  Eagle3Head(const Dimensions& dimensions, double eps, bool int8, const NamedWeights& weights);
+  void set_rotary(const at::Tensor& cos, const at::Tensor& sin);
+  std::tuple<at::Tensor, std::optional<at::Tensor>> forward(const at::Tensor& hidden, const Tokens& tokens,
+                                                            const at::Tensor& positions,
+                                                            const std::optional<at::Tensor>& mask,
+                                                            const CacheView& cache, bool from_target,
+                                                            bool logits) const;
+
+  Shape shape;
+  int64_t features, vocab, draft_vocab;
+  double eps;
+  bool int8;
+  Layer layer;
+  at::Tensor hidden_norm, final_norm, embedding_scale;
+  Linear fc, lm_head;
+  std::optional<Linear> embedding;
+  at::Tensor cos, sin;  // the rotary tables [P, head_dim], set_rotary's
+};
 
 }  // namespace eagle_cpu

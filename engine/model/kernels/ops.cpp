@@ -1,4 +1,8 @@
-// The switches between the instruction-set paths, and the kernels' registration as torch.ops.eagle_cpu.
+// The switches between the instruction-set paths, and the kernels' registration as torch.ops.eagle_cpu, with the
+// two whole forwards as torch.classes.eagle_cpu.Decoder and Eagle3Head.
+// GCC 12 warns (-Wstringop-overflow) inside torch's IValue code that the classes' registration instantiates: a false
+// positive on the undefined tensor's shared instance, in torch's headers, where only a pragma before them reaches.
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
 #include "kernels.h"
 
 #include <torch/library.h>
@@ -52,15 +56,21 @@ TORCH_LIBRARY(eagle_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("torch_sum_lanes() -> int", &eagle_cpu::torch_sum_lanes);
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
-  m.class_<eagle_cpu::Weights>("Weights").def(torch::init<std::vector<at::Tensor>>());
-  m.def("decoder_forward(Tensor embeddings, Tensor cos, Tensor sin, Tensor? local_cos, Tensor? local_sin, "
-        "Tensor? mask, Tensor? sliding_mask, __torch__.torch.classes.eagle_cpu.Weights weights, Tensor[] caches, "
-        "Tensor final_norm, int start, int head_dim, float eps, float scale, int[] capture, bool int8, "
-        "int[] sliding, bool gelu) -> Tensor[]");
-  m.def("eagle3_head(Tensor hidden, Tensor token_ids, Tensor positions, Tensor cos_table, Tensor sin_table, "
-        "Tensor(a!) keys, Tensor(b!) values, int start, Tensor? mask, Tensor[] layer, Tensor hidden_norm, Tensor[] fc, "
-        "Tensor[] embedding, Tensor[] lm_head, int vocab, int draft_vocab, int heads, int head_dim, float eps, "
-        "bool int8) -> Tensor[]");
+  m.class_<eagle_cpu::Decoder>("Decoder")
+      .def(torch::init<const eagle_cpu::Dimensions&, double, double, bool, bool, const c10::List<bool>&,
+                       const eagle_cpu::NamedWeights&>(),
+           "", {torch::arg("dimensions"), torch::arg("eps"), torch::arg("scale"), torch::arg("gelu"),
+                torch::arg("int8"), torch::arg("sliding"), torch::arg("weights")})
+      .def("forward", &eagle_cpu::Decoder::forward, "",
+           {torch::arg("embeddings"), torch::arg("rotary"), torch::arg("mask"), torch::arg("sliding_mask"),
+            torch::arg("caches"), torch::arg("start"), torch::arg("capture")});
+  m.class_<eagle_cpu::Eagle3Head>("Eagle3Head")
+      .def(torch::init<const eagle_cpu::Dimensions&, double, bool, const eagle_cpu::NamedWeights&>(), "",
+           {torch::arg("dimensions"), torch::arg("eps"), torch::arg("int8"), torch::arg("weights")})
+      .def("set_rotary", &eagle_cpu::Eagle3Head::set_rotary, "", {torch::arg("cos"), torch::arg("sin")})
+      .def("forward", &eagle_cpu::Eagle3Head::forward, "",
+           {torch::arg("hidden"), torch::arg("tokens"), torch::arg("positions"), torch::arg("mask"),
+            torch::arg("cache"), torch::arg("from_target"), torch::arg("logits")});
 }
 
 TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
@@ -70,6 +80,4 @@ TORCH_LIBRARY_IMPL(eagle_cpu, CPU, m) {
   m.impl("int8_rows", &eagle_cpu::int8_rows);
   m.impl("rms_norm", &eagle_cpu::rms_norm);
   m.impl("attention", &eagle_cpu::attention);
-  m.impl("decoder_forward", &eagle_cpu::decoder_forward);
-  m.impl("eagle3_head", &eagle_cpu::eagle3_head);
 }
