@@ -13,12 +13,13 @@ def flag(name: str, help: str, **argument) -> dict:
 
 
 def add_flags(settings: type, parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """Add the flags of `settings`' fields (those in `only`, if given) to `parser`, each with its field's default."""
+    """Add the flags of `settings`' fields (those in `only`, if given) to `parser`, each with its field's default
+    (or the flag's own: None for a tree's shape, which then stays the tree's)."""
     for f in fields(settings):
         if "flag" not in f.metadata or (only is not None and f.name not in only):
             continue
         argument = dict(f.metadata["argument"])
-        if argument.get("action") not in ("store_false", "store_true"):
+        if argument.get("action") not in ("store_false", "store_true") and "default" not in argument:
             argument["default"] = f.default if f.default is not MISSING else f.default_factory()
         parser.add_argument(f.metadata["flag"], dest=f.name, help=f.metadata["help"], **argument)
 

@@ -32,3 +32,19 @@ def test_only_adds_the_flags_named():
     parser = argparse.ArgumentParser()
     add_flags(LoadOptions, parser, only=("base", "kernels"))
     assert set(flag_values(LoadOptions, parser.parse_args([]))) == {"base", "kernels"}
+
+
+def test_the_benchs_tree_and_sampling_flags_come_from_their_fields():
+    """Unset, the tree's shape is the tree's own; set, each flag lands on its field; a static tree refuses a shape."""
+    from engine.draft.tree import DynamicTree
+    from engine.tools.bench import build_parser, decode_params
+
+    parser = build_parser()
+    plain = decode_params(parser.parse_args([]))
+    assert plain.tree == DynamicTree() and plain.sampling.temperature == 0.0 and plain.max_new_tokens == 128
+    shaped = decode_params(parser.parse_args(["--total-tokens", "6", "--draft-top-k", "3", "--min-prob", "0.1",
+                                              "--temperature", "0.7", "--seed", "5"]))
+    assert (shaped.tree.total_tokens, shaped.tree.top_k, shaped.tree.min_prob) == (6, 3, 0.1)
+    assert (shaped.sampling.temperature, shaped.seed) == (0.7, 5)
+    with pytest.raises(ValueError, match="static tree has fixed paths"):
+        decode_params(parser.parse_args(["--tree", "static", "--depth", "3"]))

@@ -7,19 +7,20 @@ renormalised. Drawing this way is exactly drawing from the base distribution, so
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..draft.tree import DraftTree
+from ..flags import flag
 
 
 @dataclass(frozen=True)
 class Sampling:
     """Temperature 0 means greedy; otherwise temperature, then top-k, then top-p, as transformers applies them."""
 
-    temperature: float = 0.0
+    temperature: float = field(default=0.0, metadata=flag("--temperature", "0 = greedy", type=float))
     top_p: float = 1.0
     top_k: int = 0
 

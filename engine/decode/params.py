@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from ..draft.context import ContextDraft
 from ..draft.tree import TREES, DynamicTree, TreeSpec
+from ..flags import flag
 from .accept import Sampling
 
 METHODS = ("vanilla", "eagle", "suffix")
@@ -23,14 +24,16 @@ class DecodeParams:
     # "vanilla": no drafting, one base forward per token (the honest baseline); "eagle": the head's tree, with the
     # context's chains grafted on unless context is None; "suffix": the context's chains alone (no head needed)
     method: str = "eagle"
-    max_new_tokens: int = 256
+    max_new_tokens: int = field(default=256, metadata=flag(
+        "--max-new-tokens", "new tokens per answer at most", type=int))
     sampling: Sampling = field(default_factory=Sampling)
     tree: TreeSpec = field(default_factory=DynamicTree)
     context: ContextDraft | None = field(default_factory=ContextDraft)  # None: no drafting from the context
     # where the context drafts nothing, draft from the engine's corpus of the model's own replies (Engine.corpus),
     # when it has one; part of context drafting, so off with it
     corpus: bool = True
-    seed: int | None = None
+    seed: int | None = field(default=None, metadata=flag(
+        "--seed", "sampling seed, set before every generation", type=int))
     # Every n rounds a speculative method decodes a run of `plain_run` plain steps instead (0: never), timed
     # like plain decoding under the turn's own conditions: the app's speedup meter divides by them. The output does
     # not change (a plain step commits what the round would have: the base model's own token).

@@ -4,10 +4,12 @@ before children) with the ancestor mask and depths that verification needs, the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol, Union
 
 import torch
+
+from ..flags import flag
 
 # EAGLE-1's published static tree `mc_sim_7b_63`: each path lists child ranks from the root (0 = top-1 draft).
 MC_SIM_7B_63 = [
@@ -196,14 +198,20 @@ class DynamicTree:
     pay off.
     """
 
-    total_tokens: int = 2  # tree nodes including the root (the official `total_token`)
-    depth: int = 1  # expansion steps: the tree reaches depth + 1 drafted levels
-    top_k: int = 2  # children per expanded node
+    total_tokens: int = field(default=2, metadata=flag(  # the official `total_token`
+        "--total-tokens", "dynamic tree nodes incl. the root (unset: the tree's own)", type=int, default=None))
+    depth: int = field(default=1, metadata=flag(
+        "--depth", "dynamic tree expansion steps; it reaches depth + 1 drafted levels (unset: the tree's own)",
+        type=int, default=None))
+    top_k: int = field(default=2, metadata=flag(
+        "--draft-top-k", "children per expanded node (unset: the tree's own)", type=int, default=None))
     # Keep only drafts whose path the head gives at least this probability (0: keep total_tokens - 1 always). The
     # head's cumulative probability tracks acceptance (EAGLE-2), and on a CPU a verified row costs a good share of a
     # plain step, so a draft unlikely to be accepted costs more than it brings. None: as much as a verified row costs
     # in plain steps, where the engine measured it (engine.decode.costs.row_cost; Engine sets it), else 0.
-    min_prob: float | None = None
+    min_prob: float | None = field(default=None, metadata=flag(
+        "--min-prob", "keep only drafts the head gives at least this probability (default: as much as a verified row "
+        "costs in plain steps, measured on this machine; 0 keeps every draft)", type=float))
 
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:

@@ -63,12 +63,14 @@ import transformers
 from transformers import PreTrainedModel
 
 from ..decode.costs import verification_curve
+from ..decode.accept import Sampling
 from ..decode.params import DYNAMIC_TREE_OPTIONS, DecodeParams
 from ..decode.params import METHODS as ENGINE_METHODS
 from ..draft.checkpoint import DEFAULT_HEAD
 from ..draft.context import ContextDraft
 from ..draft.tree import TREES, DynamicTree
 from ..engine import Engine
+from ..flags import add_flags, flag_values
 from ..model.load import DTYPES, auto_dtype, gguf_file, load_base
 from ..options import LoadOptions
 from ..draft.export_gguf import cached_export
@@ -133,7 +135,8 @@ def parse_sizes(text: str, flag: str = "--verify-curve", what: str = "tree sizes
 
 def decode_params(args: argparse.Namespace) -> DecodeParams:
     """The decoding settings of every engine method; the tree options are passed only when given."""
-    tree_options = {name: getattr(args, name) for name in DYNAMIC_TREE_OPTIONS if getattr(args, name) is not None}
+    shape = flag_values(DynamicTree, args)
+    tree_options = {name: shape[key] for name, key in DYNAMIC_TREE_OPTIONS.items() if shape[key] is not None}
     return DecodeParams().with_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                        seed=args.seed, tree=args.tree, **tree_options,
                                        context=args.context and ContextDraft(sized=not args.fixed_chains))
@@ -160,15 +163,14 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    tree = DynamicTree()
     parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__, formatter_class=_HelpFormatter)
     add = parser.add_argument
     add("--questions", default=SHARED_QUESTIONS if SHARED_QUESTIONS.exists() else None,
         required=not SHARED_QUESTIONS.exists(), help="MT-bench JSON lines: question_id, category, turns")
     add("--limit", type=int, default=20, help="benchmark the first N questions")
-    add("--max-new-tokens", type=int, default=128, help="new tokens per answer at most")
-    add("--temperature", type=float, default=0.0, help="0 = greedy")
-    add("--seed", type=int, default=None, help="sampling seed, set before every generation")
+    add_flags(DecodeParams, parser, only=("max_new_tokens", "seed"))
+    parser.set_defaults(max_new_tokens=128)
+    add_flags(Sampling, parser, only=("temperature",))
     add("--methods", default=",".join(METHODS), help="comma-separated list")
     LoadOptions.add_arguments(parser, only=("base", "head", "dtype", "device", "quantization", "kernels", "corpus",
                                             "chat_template", "pack", "follow_load"))
@@ -180,11 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype for hf and hf-pld (default: the engine's; beside the q4 kernels, bfloat16 on a CPU with native "
              "bf16, else float32)")
     add("--tree", default="dynamic", choices=list(TREES), help="EAGLE-2 dynamic or EAGLE-1 static")
-    add("--total-tokens", type=int, help=f"dynamic tree nodes incl. root (default {tree.total_tokens})")
-    add("--depth", type=int, help=f"dynamic tree expansion steps (default {tree.depth})")
-    add("--draft-top-k", type=int, help=f"children per expanded node (default {tree.top_k})")
-    add("--min-prob", type=float, help="keep only drafts the head gives at least this probability (default: as much as "
-        "a verified row costs in plain steps, measured on this machine; 0 keeps every draft)")
+    add_flags(DynamicTree, parser)
     add("--no-suffix", dest="context", action="store_false",
         help="eagle drafts with the head alone, without the context's continuations")
     add("--fixed-chains", action="store_true",
