@@ -190,3 +190,23 @@ def test_the_data_command_takes_the_engines_kernels_for_a_gguf_base_and_the_floa
     assert model.model.layers[0].mlp.down_proj.int8  # auto = the engine's default for the embedded GGUF
     model, _ = load_generation_model(None, "cpu", gen_dtype="float32", kernels="float")
     assert model.config._attn_implementation == generation.FUSED_WIDE
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "gemma3"])
+def test_features_through_the_engines_runner_are_thepadded_forwards_bits(tmp_path, architecture):
+    """On the fused decoder, training reads each row's features through the engine's own runner; a padded forward of
+    the same model gives the very same bits, row by row, so a head learns what the engine will hand it."""
+    from engine.testing.tiny_gguf import tiny_gguf
+    from engine.train.features import padded_forward, runner
+
+    engine = Engine.load(str(tiny_gguf(architecture, tmp_path, "Q8_0")), head=None, kernels="int8", corpus=None)
+    assert runner(engine.model).fused is not None
+    layers = [2, 3, 4]
+    lengths = [9, 14, 5]
+    ids = torch.randint(0, engine.model.config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(4))
+    valid = torch.arange(14)[None] < torch.tensor(lengths)[:, None]
+    ours = target_features(engine.model, ids, valid, layers)
+    theirs = padded_forward(engine.model, ids, valid, layers, True)
+    for row, n in enumerate(lengths):
+        for mine, other in zip(ours, theirs):
+            assert torch.equal(mine[row, :n], other[row, :n])

@@ -11,16 +11,18 @@ batches computed on the fly, for when disk is short.
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..model.cache import GrowingCache
 from ..draft.eagle3 import fused_layers
-from ..progress import progress_bar
+from ..model.cache import GrowingCache
 from ..model.quant import kv_dtype
+from ..model.target import Target
+from ..progress import progress_bar
 
 CHUNK = 64  # conversations per cache file
 
@@ -44,10 +46,47 @@ def pad_batch(records: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "valid": valid, "reply": reply}
 
 
+_RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, Target]" = weakref.WeakKeyDictionary()
+
+
+def runner(model) -> Target:
+    """The engine's runner over `model` (engine.model.target.Target: the fused decoder where the engine decodes with
+    it, its cache and attention), one per model."""
+    if model not in _RUNNERS:
+        _RUNNERS[model] = Target(model)
+    return _RUNNERS[model]
+
+
 @torch.no_grad()  # not inference_mode: live features feed the head's autograd graph (a float32 fit uses them as is)
 def target_features(model, input_ids: torch.Tensor, valid: torch.Tensor, layers: list[int] | None,
                     with_top1: bool = True):
-    """One base forward: (features or None, final-norm hidden, greedy next token or None), each [B, T, ...]."""
+    """(features or None, final-norm hidden, greedy next token or None), each [B, T, ...].
+
+    Where the engine decodes with the fused decoder (a GGUF on the CPU's grouped kernels), each row is one forward of
+    the engine's own runner over its tokens: the head learns from the very features the engine hands it while
+    decoding. Elsewhere (a GPU, the float path) one padded forward of the same model and cache serves the batch."""
+    target = runner(model)
+    if target.fused is None:
+        return padded_forward(model, input_ids, valid, layers, with_top1)
+    if target.feature_layers != layers:
+        target.set_feature_layers(layers)
+    rows = [target.forward(ids[keep], target.new_cache()) for ids, keep in zip(input_ids, valid)]
+    width = input_ids.shape[1]
+
+    def padded(tensors: list[torch.Tensor]) -> torch.Tensor:  # made outside inference mode: autograd may save it
+        out = tensors[0].new_zeros(len(tensors), width, *tensors[0].shape[1:])
+        for row, tensor in enumerate(tensors):
+            out[row, : len(tensor)] = tensor
+        return out
+
+    last = padded([hidden for hidden, _ in rows])
+    features = padded([captured for _, captured in rows]) if layers is not None else None
+    top1 = padded([target.logits(hidden).argmax(-1) for hidden, _ in rows]) if with_top1 else None
+    return features, last, top1
+
+
+def padded_forward(model, input_ids: torch.Tensor, valid: torch.Tensor, layers: list[int] | None, with_top1: bool):
+    """target_features as one forward over the padded batch."""
     device = next(model.parameters()).device
     rounded = kv_dtype(model)  # a GGUF base on the grouped kernels: keys and values rounded as the engine caches them
     out = model.model(input_ids=input_ids.to(device), attention_mask=valid.long().to(device),
