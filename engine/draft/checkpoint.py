@@ -67,6 +67,8 @@ def new_head(kind: str, base_config, draft_vocab_size: int | None = None) -> Dra
         "rope_theta": rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
         "bias": True,
         "draft_vocab_size": draft_vocab_size or text.vocab_size,
+        # the base's context, which servers otherwise cap at a Llama config's default of 2,048 tokens
+        "max_position_embeddings": getattr(text, "max_position_embeddings", None) or 2048,
     }
     layers = fused_layers(text.num_hidden_layers)
     if kind == "eagle3" and len(set(layers)) == 3:  # the config names the layers it fuses, so every server reads the
