@@ -196,3 +196,17 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, cache)
     assert whole_state.keys() == resumed_state.keys()
     for name, tensor in whole_state.items():
         assert torch.equal(tensor, resumed_state[name]), name
+
+
+def test_only_the_newest_two_whole_checkpoints_are_kept(tmp_path):
+    """A run that saves every 3 steps keeps its last two checkpoints, and a checkpoint a save did not finish (no
+    progress.json) is neither counted nor resumed from."""
+    model = rule_model()
+    config = FitConfig(ttt_steps=2, epochs=6, batch_tokens=120, warmup=2, save_every=3, eval_every=0)
+    trainer = make_trainer(model, rule_records(12, length=16), tmp_path, config)
+    trainer.fit(max_steps=10)  # saves at 3, 6 and 9, and at the end
+    assert [p.name for p in trainer.whole_checkpoints()] == ["step_0000009", "step_0000010"]
+    (tmp_path / "checkpoints" / "step_0000011").mkdir()  # a save killed before progress.json
+    assert trainer.whole_checkpoints()[-1].name == "step_0000010"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_0000009", "step_0000010", "step_0000011"]

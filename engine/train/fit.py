@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ from ..flags import flag
 from ..progress import progress_bar
 from ..model.packed import PackedLinear
 from ..model.quant import QuantLinear
+
+
+KEEP_CHECKPOINTS = 2  # whole checkpoints kept: the newest, and the one before in case the disk fills while saving
 
 
 @dataclass
@@ -340,14 +344,22 @@ class Trainer:
         return self.out / "checkpoints" / f"step_{step:07d}"
 
     def save_checkpoint(self) -> None:
+        """Save head, optimiser and schedule; progress.json, written last, marks the checkpoint whole. Only the newest
+        KEEP_CHECKPOINTS whole ones stay: a head's optimiser state is hundreds of MB, and a run of hours saves often."""
         folder = self.checkpoint_dir(self.step)
         self.accelerator.save_state(str(folder))
         if self.accelerator.is_main_process:
             (folder / "progress.json").write_text(json.dumps({"step": self.step, "history": self.history}))
+            for old in self.whole_checkpoints()[:-KEEP_CHECKPOINTS]:
+                shutil.rmtree(old)
+
+    def whole_checkpoints(self) -> list[Path]:
+        """The checkpoints a save finished (those with progress.json), oldest first."""
+        return sorted(p for p in (self.out / "checkpoints").glob("step_*") if (p / "progress.json").exists())
 
     def resume(self) -> bool:
         """Continue from the latest complete checkpoint under out/checkpoints, if any."""
-        done = sorted(p for p in (self.out / "checkpoints").glob("step_*") if (p / "progress.json").exists())
+        done = self.whole_checkpoints()
         if not done:
             return False
         self.accelerator.load_state(str(done[-1]))
