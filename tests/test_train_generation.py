@@ -9,6 +9,7 @@ import torch
 
 from conftest import PACKED_DTYPES, SHAPES, IdsOnlyTokenizer, tiny_base, tokens_of
 from engine import Engine
+from engine.model.target import Target
 from engine.model.load import load_base
 from engine.train.data import encode_prompt, first_prompt, read_conversations, stop_ids
 from engine.train import generation
@@ -181,7 +182,7 @@ def test_fit_takes_its_features_and_targets_from_the_model_the_engine_decodes():
     prompt = encode_prompt(engine.tokenizer, first_prompt(next(iter(read_conversations()))))
     reply = plain_greedy(engine, prompt, 12)
     ids = torch.tensor([prompt + reply])
-    _, _, top1 = target_features(engine.model, ids, torch.ones_like(ids, dtype=torch.bool), None)
+    _, _, top1 = target_features(Target(engine.model), ids, torch.ones_like(ids, dtype=torch.bool), None)
     assert top1[0, len(prompt) - 1 : -1].tolist() == reply
 
 
@@ -193,19 +194,20 @@ def test_the_data_command_takes_the_engines_kernels_for_a_gguf_base_and_the_floa
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "gemma3"])
-def test_features_through_the_engines_runner_are_thepadded_forwards_bits(tmp_path, architecture):
+def test_features_through_the_engines_runner_are_the_padded_forwards_bits(tmp_path, architecture):
     """On the fused decoder, training reads each row's features through the engine's own runner; a padded forward of
     the same model gives the very same bits, row by row, so a head learns what the engine will hand it."""
     from engine.testing.tiny_gguf import tiny_gguf
-    from engine.train.features import padded_forward, runner
+    from engine.train.features import padded_forward
 
     engine = Engine.load(str(tiny_gguf(architecture, tmp_path, "Q8_0")), head=None, kernels="int8", corpus=None)
-    assert runner(engine.model).fused is not None
+    target = Target(engine.model)
+    assert target.fused is not None
     layers = [2, 3, 4]
     lengths = [9, 14, 5]
     ids = torch.randint(0, engine.model.config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(4))
     valid = torch.arange(14)[None] < torch.tensor(lengths)[:, None]
-    ours = target_features(engine.model, ids, valid, layers)
+    ours = target_features(target, ids, valid, layers)
     theirs = padded_forward(engine.model, ids, valid, layers, True)
     for row, n in enumerate(lengths):
         for mine, other in zip(ours, theirs):

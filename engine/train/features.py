@@ -11,7 +11,6 @@ batches computed on the fly, for when disk is short.
 from __future__ import annotations
 
 import json
-import weakref
 from pathlib import Path
 
 import torch
@@ -46,28 +45,17 @@ def pad_batch(records: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "valid": valid, "reply": reply}
 
 
-_RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, Target]" = weakref.WeakKeyDictionary()
-
-
-def runner(model) -> Target:
-    """The engine's runner over `model` (engine.model.target.Target: the fused decoder where the engine decodes with
-    it, its cache and attention), one per model."""
-    if model not in _RUNNERS:
-        _RUNNERS[model] = Target(model)
-    return _RUNNERS[model]
-
-
 @torch.no_grad()  # not inference_mode: live features feed the head's autograd graph (a float32 fit uses them as is)
-def target_features(model, input_ids: torch.Tensor, valid: torch.Tensor, layers: list[int] | None,
+def target_features(target: Target, input_ids: torch.Tensor, valid: torch.Tensor, layers: list[int] | None,
                     with_top1: bool = True):
-    """(features or None, final-norm hidden, greedy next token or None), each [B, T, ...].
+    """(features or None, final-norm hidden, greedy next token or None), each [B, T, ...], from `target`, the engine's
+    runner (engine.model.target.Target) over the base model.
 
     Where the engine decodes with the fused decoder (a GGUF on the CPU's grouped kernels), each row is one forward of
     the engine's own runner over its tokens: the head learns from the very features the engine hands it while
     decoding. Elsewhere (a GPU, the float path) one padded forward of the same model and cache serves the batch."""
-    target = runner(model)
     if target.fused is None:
-        return padded_forward(model, input_ids, valid, layers, with_top1)
+        return padded_forward(target.model, input_ids, valid, layers, with_top1)
     if target.feature_layers != layers:
         target.set_feature_layers(layers)
     rows = [target.forward(ids[keep], target.new_cache()) for ids, keep in zip(input_ids, valid)]
@@ -124,6 +112,7 @@ def cache_features(model, records: list[dict], folder: str | Path, kind: str, ma
     if meta_file.exists() and json.loads(meta_file.read_text()) != meta:
         raise ValueError(f"{folder} holds features of other data or another head kind; choose an empty folder")
     meta_file.write_text(json.dumps(meta))
+    target = Target(model)  # the engine's runner over the model, one for every batch
     chunks = range(0, len(records), CHUNK)
     for start in progress_bar(iterable=chunks, desc="target features", unit="chunk"):
         path = folder / f"chunk_{start // CHUNK:05d}.safetensors"
@@ -133,7 +122,7 @@ def cache_features(model, records: list[dict], folder: str | Path, kind: str, ma
         rows: dict[int, dict[str, torch.Tensor]] = {}
         for group in _batches_by_tokens(part, max_tokens):
             batch = pad_batch([part[i] for i in group])
-            features, last, top1 = target_features(model, batch["input_ids"], batch["valid"], layers)
+            features, last, top1 = target_features(target, batch["input_ids"], batch["valid"], layers)
             for row, i in enumerate(group):
                 n = len(part[i]["input_ids"])
                 rows[i] = {"last": last[row, :n].to(dtype).cpu(), "top1": top1[row, :n].int().cpu()}
@@ -195,11 +184,13 @@ class LiveFeatures:
 
     def __init__(self, model, records: list[dict], kind: str, layers: list[int] | None = None):
         self.model, self.records, self.kind = model, records, kind
+        self.target = Target(model)  # the engine's runner over the model, one for every batch
         self.layers = layers or feature_layers(kind, model.config.num_hidden_layers)
 
     def batch(self, indices: list[int], with_top1: bool = True) -> dict[str, torch.Tensor]:
         batch = pad_batch([self.records[i] for i in indices])
-        features, last, top1 = target_features(self.model, batch["input_ids"], batch["valid"], self.layers, with_top1)
+        features, last, top1 = target_features(self.target, batch["input_ids"], batch["valid"], self.layers,
+                                               with_top1)
         batch.update(last=last, features=last if features is None else features)  # stay where the losses run
         if top1 is not None:
             batch["top1"] = top1
